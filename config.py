@@ -1,0 +1,211 @@
+"""Configuration: plain dataclasses, loaded from YAML, overridden with `--set a.b=value`.
+
+Every knob of the trainer lives here, with its default and where the default comes from.
+A YAML file only has to name what it changes. An unknown key is an error that names the key
+(a typo such as `train.lr_rate` must not silently train with the default), and a missing file
+is an error that names the path.
+
+    >>> cfg = load_config(None, ["train.lr=1e-4", "rollout.max_turns=3"])
+    >>> cfg.train.lr, cfg.rollout.max_turns
+    (0.0001, 3)
+    >>> load_config(None, ["train.lr_rate=1"])
+    Traceback (most recent call last):
+    ...
+    config.ConfigError: unknown config key 'train.lr_rate' (known keys in 'train': ...)
+
+Run `python config.py configs/tiny.yaml` to print the resolved config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says which key or path."""
+
+
+@dataclass
+class WorldConfig:
+    """The embedded tiny world (DESIGN.md §5): a made-up encyclopedia plus its questions."""
+
+    seed: int = 0
+    n_people: int = 4000  # DESIGN §10 lesson 1: few entities -> memorising instead of copying
+    n_cities: int = 300
+    n_countries: int = 30
+    n_val: int = 200  # per question type (1-hop, 2-hop)
+    n_test: int = 200
+    cache_dir: str = "cache"
+
+
+@dataclass
+class ModelConfig:
+    """The policy. `path` empty means: build the tiny world's policy (and cache it)."""
+
+    path: str = ""
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4  # head_dim = hidden/heads = 64: vLLM CPU supports 64, not 16 (DESIGN §6)
+    intermediate_size: int = 1024
+    vocab_size: int = 2048  # byte-level BPE trained on the world: most names are 1-3 tokens
+    dtype: str = "float32"
+
+
+@dataclass
+class SFTConfig:
+    """Warm start by supervised fine-tuning on scripted teacher trajectories (DESIGN §5)."""
+
+    steps: int = 1200
+    batch_tokens: int = 4096  # padded tokens per batch; batches group similar lengths
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    bf16: bool = True  # autocast; ~2x faster on CPUs with AMX/AVX512-bf16 (DESIGN §6)
+    # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
+    p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop
+    p_no_search: float = 0.1  # answer without searching at all
+
+
+@dataclass
+class DataConfig:
+    """Questions (FlashRAG jsonl) and corpus (wiki-18 jsonl). Empty paths = the tiny world."""
+
+    name: str = "tiny"  # prefixes group ids, so questions of two datasets never share a group
+    corpus: str = ""
+    train: str = ""
+    val: str = ""
+    test: str = ""
+
+
+@dataclass
+class RetrieverConfig:
+    method: str = "bm25"
+    topk: int = 3  # Search-R1 §4: top-3 passages
+    url: str = ""  # empty: search in process; else a Search-R1 compatible /retrieve endpoint
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "vllm"  # "vllm" (in process, CPU or GPU) or "hf" (plain transformers, debugging)
+    max_turns: int = 4  # Search-R1's action budget; the last turn may not search
+    max_tokens_per_turn: int = 64  # Search-R1 uses 500 for real models
+    max_obs_tokens: int = 200  # observation budget, cut inside the tags (DESIGN §7)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    gpu_memory_utilization: float = 0.3  # vLLM CPU reserves host RAM from this (DESIGN §6)
+    max_model_len: int = 1024
+    # Prompt with a {question} slot; empty = Search-R1's full instruction (rollout.py). The tiny
+    # world uses a one-line version: its 100-token instruction would double every sequence.
+    prompt_template: str = ""
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    steps: int = 30
+    questions_per_step: int = 16
+    group_size: int = 8  # rollouts per question (G)
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.001  # k3 / low_var_kl as a loss term (Search-R1 released scripts)
+    adv_eps: float = 1e-6
+    mask_retrieved: bool = True  # Search-R1's retrieved-token loss mask; False = its ablation
+    micro_batch_tokens: int = 8192  # padded tokens per forward/backward (similar lengths packed)
+    reward: str = "em"  # a key of rewards.REWARDS
+    threads: int = 2  # torch CPU threads for the trainer
+    eval_every: int = 10
+    save_every: int = 10
+    samples_per_step: int = 4  # trajectories written to samples/ each step
+    run_dir: str = "runs"
+    name: str = "tiny"
+
+
+@dataclass
+class EvalConfig:
+    split: str = "val"
+    max_questions: int = 0  # 0: all
+
+
+@dataclass
+class Config:
+    world: WorldConfig = field(default_factory=WorldConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
+    head, _, rest = dotted.partition(".")
+    names = {f.name: f for f in dataclasses.fields(obj)}
+    where = prefix.rstrip(".") or "the top level"
+    if head not in names:
+        raise ConfigError(
+            f"unknown config key '{prefix}{head}' (known keys in {where}: {', '.join(names)})"
+        )
+    current = getattr(obj, head)
+    if dataclasses.is_dataclass(current):
+        if rest:
+            _set(current, rest, value, prefix + head + ".")
+            return
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{prefix}{head}' is a section; give it a mapping")
+        for key, sub in value.items():
+            _set(current, str(key), sub, prefix + head + ".")
+        return
+    if rest:
+        raise ConfigError(f"config key '{prefix}{head}' has no sub-key '{rest}'")
+    setattr(obj, head, _coerce(value, typing.get_type_hints(type(obj))[head], prefix + head))
+
+
+def _coerce(value: object, kind: type, key: str) -> object:
+    """YAML gives ints where floats are meant (lr: 1) and strings from --set; accept both."""
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, kind):
+        return value
+    raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {value!r}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML scalars)."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        for key, value in data.items():
+            _set(cfg, str(key), value)
+    for item in overrides or []:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        _set(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+if __name__ == "__main__":
+    print(yaml.safe_dump(config_to_dict(load_config(sys.argv[1] if len(sys.argv) > 1 else None))))

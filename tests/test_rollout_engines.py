@@ -1,0 +1,116 @@
+"""Real engines on a really built micro world: vLLM (CPU build) and transformers.
+
+Covers: multi-turn rollouts that search, stop strings, batched retrieval, the loss mask and
+logprob bookkeeping, the engine/bm25s start-up order, and weight sync into vLLM.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from engine import load_policy, load_tokenizer, make_engine
+from rollout import STOP
+from sft import token_logprobs
+from train import make_search_fn
+
+
+def check_record(r, tokenizer, max_turns):
+    assert len(r["response_ids"]) == len(r["loss_mask"]) == len(r["logprobs"])
+    assert r["num_searches"] <= max_turns - 1  # the last turn may not search
+    for c in r["chunks"]:
+        ids = r["response_ids"][c["start"] : c["end"]]
+        mask = set(r["loss_mask"][c["start"] : c["end"]])
+        if c["role"] == "policy":
+            assert mask == {1}
+            assert all(lp <= 0 for lp in r["logprobs"][c["start"] : c["end"]])
+            # generation stopped AT a stop string, never past it
+            for s in STOP:
+                assert s not in c["text"] or c["text"].rstrip().endswith(s) and c["text"].count(s) == 1
+        else:
+            assert mask == {0} and c["text"].endswith("</information>\n")
+            assert tokenizer.decode(ids) == c["text"]
+
+
+@pytest.fixture(scope="module")
+def setup(micro):
+    path, cfg, policy, world = micro
+    from train import data_paths, load_questions
+
+    tok = load_tokenizer(policy)
+    calls = []
+    inner = make_search_fn(cfg, data_paths(cfg)["corpus"], {})
+
+    def search_fn(queries):
+        calls.append(list(queries))
+        return inner(queries)
+
+    return cfg, tok, load_questions(data_paths(cfg)["val"])[:8], search_fn, calls
+
+
+def test_vllm_rollouts_search_and_keep_bookkeeping(vllm_engine, setup):
+    from rollout import rollout_batch
+
+    cfg, tok, questions, search_fn, calls = setup
+    calls.clear()
+    records = rollout_batch(vllm_engine, tok, questions, 4, search_fn, cfg.rollout, seed=1, group_prefix="tiny:")
+    assert len(records) == 32
+    for r in records:
+        check_record(r, tok, cfg.rollout.max_turns)
+    searched = sum(r["num_searches"] for r in records)
+    assert searched >= 16, "the SFT'd micro policy should search"
+    assert sum(r["finish"] == "answer" for r in records) >= 16
+    # one batched retriever call per turn, holding every active query of that turn
+    assert len(calls) <= cfg.rollout.max_turns - 1
+    assert sum(len(c) for c in calls) == searched
+    # group ids: one per question, dataset-prefixed
+    assert len({r["group_id"] for r in records}) == 8 and records[0]["group_id"].startswith("tiny:")
+
+
+def test_vllm_and_hf_agree_greedily(vllm_engine, setup, micro):
+    from rollout import rollout_batch
+
+    cfg, tok, questions, search_fn, _ = setup
+    hf = make_engine("hf", micro[2], cfg.rollout)
+    a = rollout_batch(vllm_engine, tok, questions[:4], 1, search_fn, cfg.rollout, greedy=True)
+    b = rollout_batch(hf, tok, questions[:4], 1, search_fn, cfg.rollout, greedy=True)
+    same = sum(x["response_ids"] == y["response_ids"] for x, y in zip(a, b))
+    assert same >= 3  # fp32 on both sides; a near-tie argmax may rarely flip
+    for x, y in zip(a, b):
+        if x["response_ids"] == y["response_ids"]:
+            assert x["logprobs"] == pytest.approx(y["logprobs"], abs=1e-4)
+
+
+def test_weight_sync_makes_vllm_match_the_trainer(vllm_engine, micro):
+    _, cfg, policy, _ = micro
+    tok = load_tokenizer(policy)
+    model = load_policy(policy)
+    ids = tok.encode("Answer the question. Question: Where was Ka Bo born?\n<think> I need", add_special_tokens=False)
+    x = torch.tensor([ids])
+    attn = torch.ones_like(x)
+    with torch.no_grad():
+        before = token_logprobs(model, x, attn)[0]
+    assert vllm_engine.score(ids) == pytest.approx(before.tolist(), abs=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    (-token_logprobs(model, x, attn).sum()).backward()
+    opt.step()
+    with torch.no_grad():
+        after = token_logprobs(model, x, attn)[0].tolist()
+    stale = vllm_engine.score(ids)
+    assert max(abs(a - b) for a, b in zip(stale, after)) > 1e-2  # before the sync: no match
+    vllm_engine.load_weights(model.state_dict().items())
+    synced = vllm_engine.score(ids)
+    assert max(abs(a - b) for a, b in zip(synced, after)) < 1e-4
+    vllm_engine.load_weights(load_policy(policy).state_dict().items())  # restore for other tests
+
+
+def test_engine_refuses_to_start_after_numba(micro):
+    code = (
+        "import sys; sys.path.insert(0, '.'); import numba; from config import RolloutConfig; "
+        f"from engine import make_engine; make_engine('vllm', {str(micro[2])!r}, RolloutConfig())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0
+    assert "vLLM must be started before bm25s/numba" in out.stderr

@@ -1,0 +1,53 @@
+"""train.py end to end in a subprocess (real vLLM, real BM25): run dir, kill, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, write_micro_config
+
+
+def run_train(args, **kw):
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, start_new_session=True, **kw)
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(micro, tmp_path):
+    cfg_path = write_micro_config(
+        tmp_path / "c.yaml", micro[1].world.cache_dir,
+        train={"steps": 4, "save_every": 1, "eval_every": 2, "run_dir": str(tmp_path / "runs"), "name": "e2e"},
+        eval={"max_questions": 8},
+    )  # fmt: skip
+    log = open(tmp_path / "log.txt", "w")
+    proc = run_train(["--config", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 600
+    run = None
+    while time.time() < deadline and proc.poll() is None:
+        runs = list((tmp_path / "runs").glob("e2e-*"))
+        if runs and (runs[0] / "checkpoints" / "step_2").exists():
+            run = runs[0]
+            break
+        time.sleep(0.5)
+    assert run is not None, (tmp_path / "log.txt").read_text()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # killed mid-run, as a crash or a pre-empted job would be
+    proc.wait()
+    assert not (run / "checkpoints" / "step_4").exists()
+
+    out = subprocess.run([sys.executable, "train.py", "--resume", str(run)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "step 2" in out.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == [0, 1, 2, 3, 4], steps  # step 0: the starting policy's eval
+    assert "em_2hop" in rows[0]["eval"] and "reward" not in rows[0]
+    for key in ("reward", "em", "kl", "loss", "response_len", "searches_per_question", "tokens_per_s"):
+        assert all(isinstance(r[key], float) for r in rows[1:]), key
+    assert set(rows[1]["time"]) == {"generate", "retrieve", "reward", "train", "sync"}
+    assert "em_2hop" in rows[2]["eval"] and "em_2hop" in rows[4]["eval"]
+    assert (run / "checkpoints" / "step_4" / "model.safetensors").exists()
+    assert (run / "config.yaml").exists()
+    sample = json.loads((run / "samples" / "step_3.jsonl").read_text().splitlines()[0])
+    assert len(sample["loss_mask"]) == len(sample["response_ids"]) == len(sample["logprobs"])

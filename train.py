@@ -1,0 +1,399 @@
+"""Train a search agent with GRPO: roll out, score, take a masked clipped step, sync vLLM.
+
+    python train.py --config configs/tiny.yaml                 # the embedded tiny world, CPU
+    python train.py --config configs/tiny.yaml --set train.steps=5 --set rollout.engine=hf
+    python train.py --resume runs/tiny-20261122-010203         # continue a killed run
+
+One step, top to bottom (each line is a function below):
+
+  1. rollout   G trajectories per question with the current policy (rollout.py), searching
+               the corpus mid-thought; records keep token ids, loss mask and sampling logprobs
+  2. reward    r_i = EM(answer_i, golden) (rewards.py, Search-R1 §3.3)
+  3. advantage A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (GRPO, DESIGN.md §4),
+               the same A_i for every token of rollout i; a group with equal rewards has A = 0
+  4. loss      per policy token t (loss_mask = 1; retrieved tokens never count):
+                 rho_t = exp(log pi_theta - log pi_old)          pi_old = the engine's logprobs
+                 pg_t  = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A)
+                 kl_t  = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]   (k3)
+               loss = sum_t m_t (pg_t + beta kl_t) / sum_t m_t   over the whole batch
+               (token-mean; micro-batches divide by the batch's token count, not their own)
+  5. update    AdamW, gradient-norm clip
+  6. sync      push the new weights into the vLLM engine (engine.load_weights)
+
+Worked example of step 3: a group of 4 rewards [1, 0, 0, 1] has mean 0.5 and std 0.577, so
+the advantages are [+0.866, -0.866, -0.866, +0.866].
+
+The run directory `runs/<name>-<time>/` holds config.yaml (resolved), metrics.jsonl (one line
+per step, plus eval lines), samples/step_<k>.jsonl (rollout records), checkpoints/step_<k>/
+(safetensors + optimizer state) and eval_*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from config import Config, ConfigError, config_to_dict, load_config
+from engine import load_policy, load_tokenizer, make_engine
+from rewards import score
+from rollout import rollout_batch
+from sft import pad_batch, token_budget_batches, token_logprobs
+
+# ---------------------------------------------------------------------------------------------
+# The GRPO math (DESIGN.md §4). Pure functions on tensors, tested in tests/test_grpo.py.
+
+
+def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6) -> list[float]:
+    """GRPO: (r - mean of the group) / (std of the group + eps); equal rewards give 0.
+
+    >>> [round(a, 3) for a in group_advantages([1, 0, 0, 1], ["q"] * 4)]
+    [0.866, -0.866, -0.866, 0.866]
+    """
+    groups: dict[str, list[float]] = {}
+    for r, g in zip(rewards, group_ids):
+        groups.setdefault(g, []).append(r)
+    stats = {}
+    for g, rs in groups.items():
+        mean = sum(rs) / len(rs)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / max(1, len(rs) - 1))  # unbiased, as torch.std
+        stats[g] = (mean, std)
+    return [(r - stats[g][0]) / (stats[g][1] + eps) for r, g in zip(rewards, group_ids)]
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 ("low_var_kl") estimate of KL(pi || ref) per token, clamped to [-10, 10]."""
+    log_ratio = ref_logp - logp
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
+
+
+def grpo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    clip_eps: float,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss (PPO-clip policy term + beta * k3), its KL part and whether it clipped."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    return loss + kl_coef * kl, kl, (clipped < unclipped).float()
+
+
+def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad_id: int) -> dict:
+    """One optimizer step on scored rollout records with their `advantage` set."""
+    tcfg = cfg.train
+    seqs, masks, olds, advs = [], [], [], []
+    for r in records:
+        seqs.append(r["prompt_ids"] + r["response_ids"])
+        policy = r["loss_mask"] if tcfg.mask_retrieved else [1] * len(r["response_ids"])
+        masks.append([0] * len(r["prompt_ids"]) + policy)
+        olds.append([0.0] * len(r["prompt_ids"]) + r["logprobs"])
+        advs.append(r["advantage"])
+    n_tokens = sum(sum(m) for m in masks)  # the token-mean denominator for the whole batch
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+    for idx in token_budget_batches([len(s) for s in seqs], tcfg.micro_batch_tokens, random.Random(0)):
+        ids, attn, mask = pad_batch([seqs[i] for i in idx], [masks[i] for i in idx], pad_id)
+        old, _, _ = pad_batch_float([olds[i] for i in idx], ids.shape[1])
+        m = mask[:, 1:]
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        # Retrieved tokens were never sampled, so the engine has no logprob for them; in the
+        # no-mask ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
+        engine_mask = torch.zeros_like(m)
+        for row, i in enumerate(idx):
+            lm = [0] * len(records[i]["prompt_ids"]) + records[i]["loss_mask"]
+            engine_mask[row, : len(lm) - 1] = torch.tensor(lm[1:], dtype=torch.float32)
+        old_logp = torch.where(engine_mask > 0, old[:, 1:], logp.detach())
+        ref_logp = None
+        if ref_model is not None and tcfg.kl_coef > 0:
+            with torch.no_grad():
+                ref_logp = token_logprobs(ref_model, ids, attn)
+        adv = torch.tensor([advs[i] for i in idx])[:, None].expand_as(logp)
+        tok_loss, kl, clipped = grpo_token_loss(logp, old_logp, adv, ref_logp, tcfg.clip_eps, tcfg.kl_coef)
+        loss = (tok_loss * m).sum() / n_tokens
+        loss.backward()
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            totals["loss"] += loss.item()
+            totals["kl"] += ((kl * m).sum() / n_tokens).item()
+            totals["clip_frac"] += ((clipped * m).sum() / n_tokens).item()
+            totals["entropy"] += ((entropy * m).sum() / n_tokens).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+    optimizer.step()
+    model.eval()
+    return totals | {"grad_norm": float(grad_norm), "policy_tokens": n_tokens}
+
+
+def pad_batch_float(rows: list[list[float]], width: int):
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Data, retriever and run directory.
+
+
+def ensure_policy(cfg: Config, run_dir: Path) -> Path:
+    """The starting policy: `model.path` if given, else the tiny world's cached SFT policy.
+
+    The tiny world is built in a child process: its teacher uses bm25s (numba), which must not
+    be imported in a process that will start vLLM afterwards (DESIGN.md §6).
+    """
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path has no model: {path / 'config.json'} not found")
+        return path
+    from world import world_dir
+
+    policy = world_dir(cfg) / "policy"
+    if not (policy / "DONE").exists():
+        print(f"building the tiny world and SFT warm start in {policy.parent} (cached) ...", flush=True)
+        subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("world.py")), "--config", str(run_dir / "config.yaml")],
+            check=True,
+        )
+    return policy
+
+
+def data_paths(cfg: Config) -> dict[str, Path]:
+    """corpus/train/val/test files: the `data` section, or the tiny world's cache when empty."""
+    from world import world_dir
+
+    paths = {}
+    for kind in ("corpus", "train", "val", "test"):
+        given = getattr(cfg.data, kind)
+        paths[kind] = Path(given) if given else world_dir(cfg) / f"{kind}.jsonl"
+    for kind in ("corpus", "train", "val"):
+        if not paths[kind].is_file():
+            raise FileNotFoundError(f"{kind} file not found: {paths[kind]}")
+    return paths
+
+
+def load_questions(path: Path) -> list[dict]:
+    """FlashRAG jsonl; an empty question is an error that names the line."""
+    from world import read_jsonl
+
+    questions = read_jsonl(path)
+    for n, q in enumerate(questions, 1):
+        if not str(q.get("question", "")).strip():
+            raise ValueError(f"{path}:{n}: empty question (id {q.get('id')!r})")
+        if not q.get("golden_answers"):
+            raise ValueError(f"{path}:{n}: no golden_answers (id {q.get('id')!r})")
+    return questions
+
+
+def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
+    """Batched search tool: list of queries -> rendered hits. Imports bm25s: call after vLLM."""
+    from retriever import build_bm25, format_hits, load_corpus, search
+
+    index = build_bm25(load_corpus(corpus_path))
+
+    def search_fn(queries: list[str]) -> list[str]:
+        t = time.time()
+        out = [format_hits(h) for h in search(index, queries, cfg.retriever.topk)]
+        timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
+        return out
+
+    return search_fn
+
+
+def new_run_dir(cfg: Config) -> Path:
+    run = Path(cfg.train.run_dir) / f"{cfg.train.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run.mkdir(parents=True, exist_ok=False)
+    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return run
+
+
+def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, keep: int = 2) -> None:
+    ckpt = run / "checkpoints" / f"step_{step}"
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict()}, tmp / "trainer_state.pt")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    tmp.rename(ckpt)  # a checkpoint directory exists only once it is complete
+    for old in sorted(ckpt.parent.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]:
+        if not old.name.endswith(".tmp"):
+            shutil.rmtree(old)
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    done = [p for p in (run / "checkpoints").glob("step_*") if not p.name.endswith(".tmp")]
+    return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
+
+
+def log(run: Path, row: dict) -> None:
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def batch_metrics(records: list[dict]) -> dict:
+    n = len(records)
+    return {
+        "reward": sum(r["reward"] for r in records) / n,
+        "em": sum(r["reward_components"]["em"] for r in records) / n,
+        "format_ok": sum(r["reward_components"]["format_ok"] for r in records) / n,
+        "response_len": sum(sum(r["loss_mask"]) for r in records) / n,
+        "searches_per_question": sum(r["num_searches"] for r in records) / n,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
+    from eval import evaluate
+
+    torch.manual_seed(cfg.train.seed)
+    torch.set_num_threads(cfg.train.threads)
+    start_dir = resume_from or ensure_policy(cfg, run)
+    paths = data_paths(cfg)
+    train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])
+    tokenizer = load_tokenizer(start_dir)
+    engine = make_engine(cfg.rollout.engine, start_dir, cfg.rollout, seed=cfg.train.seed)  # before bm25s
+    torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
+    timings: dict[str, float] = {}
+    search_fn = make_search_fn(cfg, paths["corpus"], timings)
+    model = load_policy(start_dir).eval()
+    ref = None
+    if cfg.train.kl_coef > 0:  # the frozen reference is the starting policy (SFT), not a checkpoint
+        ref = load_policy(ensure_policy(cfg, run) if resume_from else start_dir).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    step0 = 0
+    if resume_from is not None:
+        state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        step0 = state["step"]
+        _truncate_metrics(run, step0)
+        print(f"resumed from {resume_from} at step {step0}", flush=True)
+    val_subset = val_q[: cfg.eval.max_questions] if cfg.eval.max_questions else val_q
+    if step0 == 0 and cfg.train.eval_every > 0:
+        ev = evaluate(engine, tokenizer, val_subset, search_fn, cfg)
+        log(run, {"step": 0, "eval": ev})
+        print(f"step 0 eval: {json.dumps(ev)}", flush=True)
+    rng = random.Random(cfg.train.seed)
+    order: list[int] = []
+    for _ in range(step0):  # replay the question order so a resumed run sees the same batches
+        order = _next_batch(order, len(train_q), cfg.train.questions_per_step, rng)[1]
+    bar = tqdm(range(step0, cfg.train.steps), desc="grpo", initial=step0, total=cfg.train.steps)
+    ev = {}
+    for step in bar:
+        timings.clear()
+        batch_idx, order = _next_batch(order, len(train_q), cfg.train.questions_per_step, rng)
+        questions = [train_q[i] for i in batch_idx]
+        t0 = time.time()
+        records = rollout_batch(
+            engine, tokenizer, questions, cfg.train.group_size, search_fn, cfg.rollout,
+            seed=cfg.train.seed * 100003 + step, group_prefix=cfg.data.name + ":",
+        )  # fmt: skip
+        t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
+        t0 = time.time()
+        score(records, cfg.train.reward)
+        advantages = group_advantages(
+            [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps
+        )
+        for r, a in zip(records, advantages):
+            r["advantage"] = a
+        t_reward = time.time() - t0
+        t0 = time.time()
+        stats = grpo_step(model, ref, records, optimizer, cfg, tokenizer.pad_token_id)
+        t_train = time.time() - t0
+        t0 = time.time()
+        engine.load_weights(model.state_dict().items())
+        t_sync = time.time() - t0
+        gen_tokens = sum(sum(r["loss_mask"]) for r in records)
+        row = {"step": step + 1} | batch_metrics(records) | stats | {
+            "tokens_per_s": gen_tokens / max(t_generate, 1e-9),
+            "time": {"generate": t_generate, "retrieve": timings.get("retrieve", 0.0),
+                     "reward": t_reward, "train": t_train, "sync": t_sync},
+        }  # fmt: skip
+        _write_samples(run, step + 1, records[: cfg.train.samples_per_step])
+        if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+            ev = evaluate(engine, tokenizer, val_subset, search_fn, cfg)
+            row["eval"] = ev
+        log(run, row)
+        bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
+        if (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.steps:
+            save_checkpoint(run, step + 1, model, tokenizer, optimizer)
+    return ev
+
+
+def _next_batch(order: list[int], n: int, k: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """Take k question indices from a shuffled epoch order, starting a new epoch when short."""
+    if len(order) < k:
+        fresh = list(range(n))
+        rng.shuffle(fresh)
+        order = order + fresh
+    return order[:k], order[k:]
+
+
+def _truncate_metrics(run: Path, step: int) -> None:
+    """Drop metric rows written after the checkpoint we resume from (they will be redone)."""
+    path = run / "metrics.jsonl"
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def _write_samples(run: Path, step: int, records: list[dict]) -> None:
+    (run / "samples").mkdir(exist_ok=True)
+    with open(run / "samples" / f"step_{step}.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="GRPO training of a search agent (see the module docstring for the step).",
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML config, e.g. configs/tiny.yaml (defaults if omitted)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override one config key, e.g. --set train.lr=1e-4 (repeatable; unknown keys are errors)",
+    )  # fmt: skip
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        if args.resume:
+            run = Path(args.resume)
+            cfg = load_config(run / "config.yaml", args.set)
+            ckpt = latest_checkpoint(run)
+            if ckpt is None:
+                raise ConfigError(f"no checkpoint to resume in {run / 'checkpoints'}")
+        else:
+            cfg = load_config(args.config, args.set)
+            run, ckpt = new_run_dir(cfg), None
+    except (ConfigError, FileNotFoundError) as e:
+        parser.error(str(e))
+    print(f"run directory: {run}", flush=True)
+    ev = train(cfg, run, ckpt)
+    print(f"final eval: {json.dumps(ev)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The embedded tiny world: a made-up encyclopedia, its questions and a scripted teacher.
+
+DESIGN.md §5. Everything is invented (people, cities, countries), so no model can answer from
+memory: searching is necessary, which makes the effect of RL visible on a laptop.
+
+    world = generate_world(WorldConfig(seed=0))
+    world.corpus[0]    # {"id": "p0", "contents": '"Tavi Morek"\\nTavi Morek was born in the
+                       #  city of Velor.', "url": "https://tinypedia.org/wiki/Tavi_Morek", ...}
+    world.questions["val"][0]
+                       # {"id": "val-1hop-0", "question": "Where was Tavi Morek born?",
+                       #  "golden_answers": ["Velor"], "metadata": {"type": "1hop", ...}}
+
+Question types:
+  1hop  "Where was P born?"                -> the city   (one search: "P born")
+  2hop  "In which country was P born?"     -> the country (two searches: "P born", "C country")
+
+The teacher (`teacher_segments`) writes Search-R1-format trajectories and is deliberately
+imperfect (DESIGN §5): on a 2-hop question it often guesses the country after the first hop,
+and it sometimes answers without searching. RL has to discover that the second search pays.
+
+The questions of each split are about disjoint sets of people, so validation and test ask
+about entities the SFT data never asked about (their passages are in the corpus, as always).
+
+Build the world, tokenizer and SFT warm start (cached under cache/): `python world.py
+--config configs/tiny.yaml`; train.py does this for you when the cache is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from config import Config, WorldConfig
+
+CONSONANTS = "bdfgklmnprstvz"
+VOWELS = "aeiou"
+
+
+@dataclass
+class World:
+    corpus: list[dict]
+    questions: dict[str, list[dict]]  # split -> FlashRAG records
+    people: dict[str, str] = field(default_factory=dict)  # person -> birth city
+    city_country: dict[str, str] = field(default_factory=dict)
+
+
+def _names(rng: random.Random, n: int, syllables: tuple[int, int], taken: set[str]) -> list[str]:
+    """n unique pronounceable names like 'Velor' that are not in `taken` (which is updated)."""
+    out = []
+    while len(out) < n:
+        k = rng.randint(*syllables)
+        name = "".join(rng.choice(CONSONANTS) + rng.choice(VOWELS) for _ in range(k))
+        name = name + rng.choice(CONSONANTS) if rng.random() < 0.5 else name
+        name = name.capitalize()
+        if name not in taken:
+            taken.add(name)
+            out.append(name)
+    return out
+
+
+def _passage(pid: str, title: str, text: str, rng: random.Random) -> dict:
+    slug = title.replace(" ", "_")
+    year = rng.randint(2005, 2024)
+    return {
+        "id": pid,
+        "contents": f'"{title}"\n{text}',
+        "url": f"https://tinypedia.org/wiki/{slug}",
+        "domain": "tinypedia.org",
+        "date": f"{year}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+    }
+
+
+def generate_world(cfg: WorldConfig) -> World:
+    """A seeded encyclopedia: the same config gives the same world, byte for byte."""
+    rng = random.Random(cfg.seed)
+    taken: set[str] = set()
+    countries = _names(rng, cfg.n_countries, (2, 3), taken)
+    cities = _names(rng, cfg.n_cities, (2, 3), taken)
+    first = _names(rng, max(50, cfg.n_people // 20), (1, 2), taken)
+    last = _names(rng, max(100, cfg.n_people // 10), (2, 3), taken)
+    city_country = {c: rng.choice(countries) for c in cities}
+    people: dict[str, str] = {}
+    while len(people) < cfg.n_people:
+        person = f"{rng.choice(first)} {rng.choice(last)}"
+        people.setdefault(person, rng.choice(cities))
+
+    corpus = []
+    for i, (person, city) in enumerate(people.items()):
+        corpus.append(_passage(f"p{i}", person, f"{person} was born in the city of {city}.", rng))
+    for i, (city, country) in enumerate(city_country.items()):
+        corpus.append(_passage(f"c{i}", city, f"{city} is a city in the country of {country}.", rng))
+    for i, country in enumerate(countries):
+        corpus.append(_passage(f"k{i}", country, f"{country} is a country.", rng))
+
+    order = list(people)
+    rng.shuffle(order)
+    n_held = cfg.n_val + cfg.n_test
+    pools = {
+        "val": order[: cfg.n_val],
+        "test": order[cfg.n_val : n_held],
+        "train": order[n_held:],
+    }
+    questions: dict[str, list[dict]] = {}
+    for split, persons in pools.items():
+        records = []
+        for person in persons:
+            city = people[person]
+            records.append(_question(f"{split}-1hop-{len(records)}", "1hop", person, city, city))
+            records.append(
+                _question(f"{split}-2hop-{len(records)}", "2hop", person, city, city_country[city])
+            )
+        questions[split] = records
+    return World(corpus, questions, people, city_country)
+
+
+def _question(qid: str, kind: str, person: str, city: str, answer: str) -> dict:
+    text = f"Where was {person} born?" if kind == "1hop" else f"In which country was {person} born?"
+    meta = {"type": kind, "person": person, "city": city, "data_source": "tiny"}
+    return {"id": qid, "question": text, "golden_answers": [answer], "metadata": meta}
+
+
+def teacher_segments(
+    question: dict,
+    search,
+    rng: random.Random,
+    countries: list[str],
+    cities: list[str],
+    p_guess_second_hop: float,
+    p_no_search: float,
+) -> list[tuple[str, str]]:
+    """A scripted trajectory as (text, role) segments in Search-R1's format.
+
+    `search(query) -> rendered hits` is the same tool the policy uses in rollouts, so the
+    `<information>` blocks the student sees in SFT are exactly what it will see in RL.
+
+    Example (2-hop, the teacher does the second search):
+      <think>I need the country where P was born.</think><search>P born</search>
+      \\n<information>Doc 1(Title: P) P was born in the city of C. ...</information>\\n
+      <think>P was born in C. I need the country of C.</think><search>C country</search>
+      \\n<information>Doc 1(Title: C) C is a city in the country of K. ...</information>\\n
+      <think>C is in K.</think><answer>K</answer>
+    """
+    meta = question["metadata"]
+    person, kind = meta["person"], meta["type"]
+    if rng.random() < p_no_search:
+        guess = rng.choice(countries if kind == "2hop" else cities)
+        return [(f"<think> I guess {person} was born in {guess}.</think><answer> {guess}</answer>", "policy")]
+    goal = "the country where" if kind == "2hop" else "where"
+    segs = [(f"<think> I need {goal} {person} was born.</think><search> {person} born</search>", "policy")]
+    segs.append((search(f"{person} born"), "obs"))
+    city = meta["city"]
+    if kind == "1hop":
+        segs.append((f"<think> {person} was born in {city}.</think><answer> {city}</answer>", "policy"))
+        return segs
+    if rng.random() < p_guess_second_hop:
+        guess = rng.choice(countries)
+        segs.append(
+            (f"<think> {person} was born in {city}. It is in {guess}.</think><answer> {guess}</answer>", "policy")
+        )
+        return segs
+    segs.append(
+        (
+            f"<think> {person} was born in {city}. I need the country of {city}.</think>"
+            f"<search> {city} country</search>",
+            "policy",
+        )
+    )
+    segs.append((search(f"{city} country"), "obs"))
+    country = question["golden_answers"][0]
+    segs.append((f"<think> {city} is in {country}.</think><answer> {country}</answer>", "policy"))
+    return segs
+
+
+def world_key(cfg: Config) -> str:
+    """Cache key: everything that changes the built world, tokenizer or SFT policy."""
+    parts = {
+        "world": vars(cfg.world) | {"cache_dir": None},
+        "model": vars(cfg.model),
+        "sft": vars(cfg.sft),
+        "topk": cfg.retriever.topk,
+        "max_obs_tokens": cfg.rollout.max_obs_tokens,
+        "prompt": cfg.rollout.prompt_template,
+        "format": FORMAT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+FORMAT_VERSION = 1  # bump when the generator, teacher or prompt changes what gets built
+
+
+def world_dir(cfg: Config) -> Path:
+    return Path(cfg.world.cache_dir) / f"tiny-{world_key(cfg)}"
+
+
+def write_jsonl(path: Path, records) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"file not found: {path}")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def ensure_world_data(cfg: Config) -> Path:
+    """Write corpus.jsonl and {train,val,test}.jsonl into the world's cache dir (once)."""
+    out = world_dir(cfg)
+    if (out / "test.jsonl").exists():
+        return out
+    world = generate_world(cfg.world)
+    write_jsonl(out / "corpus.jsonl", world.corpus)
+    for split, records in world.questions.items():
+        write_jsonl(out / f"{split}.jsonl", records)
+    return out
+
+
+def main() -> None:
+    from config import load_config
+    from sft import ensure_tiny_policy
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (default: built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.set)
+    print(ensure_tiny_policy(cfg))
+
+
+if __name__ == "__main__":
+    main()
