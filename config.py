@@ -31,6 +31,10 @@ class ConfigError(ValueError):
     """A config file or override that cannot be used; the message says which key or path."""
 
 
+class DataError(ValueError):
+    """A data file that cannot be used (empty question, no answers, bad line); names the place."""
+
+
 @dataclass
 class WorldConfig:
     """The embedded tiny world (DESIGN.md §5): a made-up encyclopedia plus its questions."""
@@ -61,11 +65,13 @@ class ModelConfig:
 class SFTConfig:
     """Warm start by supervised fine-tuning on scripted teacher trajectories (DESIGN §5)."""
 
-    steps: int = 1200
+    steps: int = 1000
     batch_tokens: int = 4096  # padded tokens per batch; batches group similar lengths
     lr: float = 3e-3
     warmup_steps: int = 50
+    decay_frac: float = 0.25  # lr is constant until the last quarter, then cosine to 10%
     weight_decay: float = 0.0
+    train_on_observations: bool = True  # SFT targets include <information> text (see sft.py)
     bf16: bool = True  # autocast; ~2x faster on CPUs with AMX/AVX512-bf16 (DESIGN §6)
     # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
     p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop
@@ -93,7 +99,7 @@ class RetrieverConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "vllm"  # "vllm" (in process, CPU or GPU) or "hf" (plain transformers, debugging)
-    max_turns: int = 4  # Search-R1's action budget; the last turn may not search
+    max_turns: int = 4  # generation turns (Search-R1's action budget); the last may not search
     max_tokens_per_turn: int = 64  # Search-R1 uses 500 for real models
     max_obs_tokens: int = 200  # observation budget, cut inside the tags (DESIGN §7)
     temperature: float = 1.0

@@ -79,6 +79,10 @@ class VLLMEngine:
             max_model_len=cfg.max_model_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_prefix_caching=True,
+            # Per-request seeds + chunked prefill crash vLLM CPU ("CPU Generator does not use
+            # offset" when a partial prefill's sample is discarded): prefill whole prompts.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(8192, cfg.max_model_len),
         )
 
     def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[Completion]:

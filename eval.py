@@ -19,7 +19,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, DataError, load_config
 from rewards import score
 from rollout import rollout_batch
 
@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> None:
         from world import world_dir
 
         model_dir = Path(cfg.model.path) if cfg.model.path else world_dir(cfg) / "policy"
-    paths = data_paths(cfg)
-    questions = load_questions(paths[args.split])
+    try:
+        paths = data_paths(cfg)
+        questions = load_questions(paths[args.split])
+    except (DataError, FileNotFoundError) as e:
+        parser.error(str(e))
     if cfg.eval.max_questions:
         questions = questions[: cfg.eval.max_questions]
     engine = make_engine(cfg.rollout.engine, model_dir, cfg.rollout)  # before the retriever (bm25s)

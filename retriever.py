@@ -25,6 +25,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from config import DataError
+
 
 @dataclass
 class BM25Index:
@@ -45,12 +47,12 @@ def load_corpus(path: str | Path) -> list[dict]:
             try:
                 doc = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+                raise DataError(f"{path}:{lineno}: not JSON ({e})") from None
             if not isinstance(doc, dict) or "id" not in doc or "contents" not in doc:
-                raise ValueError(f"{path}:{lineno}: a passage needs 'id' and 'contents'")
+                raise DataError(f"{path}:{lineno}: a passage needs 'id' and 'contents'")
             corpus.append(doc)
     if not corpus:
-        raise ValueError(f"corpus file is empty: {path}")
+        raise DataError(f"corpus file is empty: {path}")
     return corpus
 
 

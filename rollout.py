@@ -25,6 +25,7 @@ Records are plain dicts that serialise to one JSON line; rewards.py and eval.py 
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from config import RolloutConfig
@@ -131,7 +132,8 @@ def rollout_batch(
             temperature=0.0 if greedy else cfg.temperature,
             top_p=1.0 if greedy else cfg.top_p,
             stop=STOP,
-            seeds=[hash((seed, s.group_id, s.sample, turn)) % (2**31) for s in active],
+            # stable per-rollout seeds (not Python's salted hash): a resumed run samples the same
+            seeds=[zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}".encode()) for s in active],
         )
         pending: list[tuple[_State, str]] = []
         for s, out in zip(active, outs):

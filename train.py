@@ -44,7 +44,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from config import Config, ConfigError, config_to_dict, load_config
+from config import Config, ConfigError, DataError, config_to_dict, load_config
 from engine import load_policy, load_tokenizer, make_engine
 from rewards import score
 from rollout import rollout_batch
@@ -97,56 +97,51 @@ def grpo_token_loss(
 def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad_id: int) -> dict:
     """One optimizer step on scored rollout records with their `advantage` set."""
     tcfg = cfg.train
-    seqs, masks, olds, advs = [], [], [], []
+    seqs, sampled, masks, olds = [], [], [], []
     for r in records:
+        n = len(r["prompt_ids"])
         seqs.append(r["prompt_ids"] + r["response_ids"])
-        policy = r["loss_mask"] if tcfg.mask_retrieved else [1] * len(r["response_ids"])
-        masks.append([0] * len(r["prompt_ids"]) + policy)
-        olds.append([0.0] * len(r["prompt_ids"]) + r["logprobs"])
-        advs.append(r["advantage"])
+        sampled.append([0] * n + r["loss_mask"])  # tokens the engine sampled, with a logprob
+        masks.append(sampled[-1] if tcfg.mask_retrieved else [0] * n + [1] * len(r["response_ids"]))
+        olds.append([0.0] * n + r["logprobs"])
     n_tokens = sum(sum(m) for m in masks)  # the token-mean denominator for the whole batch
     model.train()
     optimizer.zero_grad(set_to_none=True)
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
     for idx in token_budget_batches([len(s) for s in seqs], tcfg.micro_batch_tokens, random.Random(0)):
         ids, attn, mask = pad_batch([seqs[i] for i in idx], [masks[i] for i in idx], pad_id)
-        old, _, _ = pad_batch_float([olds[i] for i in idx], ids.shape[1])
-        m = mask[:, 1:]
+        was_sampled = _pad_float([sampled[i] for i in idx], ids.shape[1])[:, 1:]
+        old = _pad_float([olds[i] for i in idx], ids.shape[1])[:, 1:]
+        m = mask[:, 1:]  # position t-1 predicts token t
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
         # Retrieved tokens were never sampled, so the engine has no logprob for them; in the
         # no-mask ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
-        engine_mask = torch.zeros_like(m)
-        for row, i in enumerate(idx):
-            lm = [0] * len(records[i]["prompt_ids"]) + records[i]["loss_mask"]
-            engine_mask[row, : len(lm) - 1] = torch.tensor(lm[1:], dtype=torch.float32)
-        old_logp = torch.where(engine_mask > 0, old[:, 1:], logp.detach())
+        old_logp = torch.where(was_sampled > 0, old, logp.detach())
         ref_logp = None
         if ref_model is not None and tcfg.kl_coef > 0:
             with torch.no_grad():
                 ref_logp = token_logprobs(ref_model, ids, attn)
-        adv = torch.tensor([advs[i] for i in idx])[:, None].expand_as(logp)
+        adv = torch.tensor([records[i]["advantage"] for i in idx])[:, None].expand_as(logp)
         tok_loss, kl, clipped = grpo_token_loss(logp, old_logp, adv, ref_logp, tcfg.clip_eps, tcfg.kl_coef)
         loss = (tok_loss * m).sum() / n_tokens
         loss.backward()
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
-            totals["loss"] += loss.item()
-            totals["kl"] += ((kl * m).sum() / n_tokens).item()
-            totals["clip_frac"] += ((clipped * m).sum() / n_tokens).item()
-            totals["entropy"] += ((entropy * m).sum() / n_tokens).item()
+            for key, value in (("loss", tok_loss), ("kl", kl), ("clip_frac", clipped), ("entropy", entropy)):
+                totals[key] += float((value * m).sum() / n_tokens)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
     optimizer.step()
     model.eval()
     return totals | {"grad_norm": float(grad_norm), "policy_tokens": n_tokens}
 
 
-def pad_batch_float(rows: list[list[float]], width: int):
+def _pad_float(rows: list[list[float]], width: int) -> torch.Tensor:
     out = torch.zeros((len(rows), width))
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r)
-    return out, None, None
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,9 +192,11 @@ def load_questions(path: Path) -> list[dict]:
     questions = read_jsonl(path)
     for n, q in enumerate(questions, 1):
         if not str(q.get("question", "")).strip():
-            raise ValueError(f"{path}:{n}: empty question (id {q.get('id')!r})")
+            raise DataError(f"{path}:{n}: empty question (id {q.get('id')!r})")
         if not q.get("golden_answers"):
-            raise ValueError(f"{path}:{n}: no golden_answers (id {q.get('id')!r})")
+            raise DataError(f"{path}:{n}: no golden_answers (id {q.get('id')!r})")
+    if not questions:
+        raise DataError(f"{path}: no questions")
     return questions
 
 
@@ -268,6 +265,8 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
 
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(cfg.train.threads)
+    if cfg.data.corpus or cfg.data.train:
+        data_paths(cfg)  # given files: fail on a bad path before building anything
     start_dir = resume_from or ensure_policy(cfg, run)
     paths = data_paths(cfg)
     train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])
@@ -391,7 +390,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, FileNotFoundError) as e:
         parser.error(str(e))
     print(f"run directory: {run}", flush=True)
-    ev = train(cfg, run, ckpt)
+    try:
+        ev = train(cfg, run, ckpt)
+    except (DataError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
     print(f"final eval: {json.dumps(ev)}")
 
 

@@ -137,12 +137,16 @@ def teacher_segments(
     `search(query) -> rendered hits` is the same tool the policy uses in rollouts, so the
     `<information>` blocks the student sees in SFT are exactly what it will see in RL.
 
+    The think block restates the fact in the passage's own words, so reading it off the
+    passage is plain induction (find the earlier "city of", copy what follows), the copy
+    mechanism small transformers learn first.
+
     Example (2-hop, the teacher does the second search):
       <think>I need the country where P was born.</think><search>P born</search>
       \\n<information>Doc 1(Title: P) P was born in the city of C. ...</information>\\n
-      <think>P was born in C. I need the country of C.</think><search>C country</search>
+      <think>P was born in the city of C. I need the country of C.</think><search>C country</search>
       \\n<information>Doc 1(Title: C) C is a city in the country of K. ...</information>\\n
-      <think>C is in K.</think><answer>K</answer>
+      <think>C is a city in the country of K.</think><answer>K</answer>
     """
     meta = question["metadata"]
     person, kind = meta["person"], meta["type"]
@@ -153,25 +157,26 @@ def teacher_segments(
     segs = [(f"<think> I need {goal} {person} was born.</think><search> {person} born</search>", "policy")]
     segs.append((search(f"{person} born"), "obs"))
     city = meta["city"]
+    fact = f"{person} was born in the city of {city}."  # the passage's own words (see above)
     if kind == "1hop":
-        segs.append((f"<think> {person} was born in {city}.</think><answer> {city}</answer>", "policy"))
+        segs.append((f"<think> {fact}</think><answer> {city}</answer>", "policy"))
         return segs
     if rng.random() < p_guess_second_hop:
         guess = rng.choice(countries)
         segs.append(
-            (f"<think> {person} was born in {city}. It is in {guess}.</think><answer> {guess}</answer>", "policy")
+            (f"<think> {fact} It is in the country of {guess}.</think><answer> {guess}</answer>", "policy")
         )
         return segs
     segs.append(
         (
-            f"<think> {person} was born in {city}. I need the country of {city}.</think>"
+            f"<think> {fact} I need the country of {city}.</think>"
             f"<search> {city} country</search>",
             "policy",
         )
     )
     segs.append((search(f"{city} country"), "obs"))
     country = question["golden_answers"][0]
-    segs.append((f"<think> {city} is in {country}.</think><answer> {country}</answer>", "policy"))
+    segs.append((f"<think> {city} is a city in the country of {country}.</think><answer> {country}</answer>", "policy"))
     return segs
 
 
@@ -189,7 +194,7 @@ def world_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
-FORMAT_VERSION = 1  # bump when the generator, teacher or prompt changes what gets built
+FORMAT_VERSION = 2  # bump when the generator, teacher or prompt changes what gets built
 
 
 def world_dir(cfg: Config) -> Path:

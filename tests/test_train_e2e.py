@@ -51,3 +51,30 @@ def test_killed_run_resumes_from_its_last_checkpoint(micro, tmp_path):
     assert (run / "config.yaml").exists()
     sample = json.loads((run / "samples" / "step_3.jsonl").read_text().splitlines()[0])
     assert len(sample["loss_mask"]) == len(sample["response_ids"]) == len(sample["logprobs"])
+
+
+def _bad_input_run(micro, tmp_path, **data):
+    _, cfg, policy, world = micro
+    files = {k: str(world / f"{k}.jsonl") for k in ("corpus", "train", "val")} | data
+    cfg_path = write_micro_config(
+        tmp_path / "c.yaml", cfg.world.cache_dir, model={"path": str(policy)}, data=files,
+        train={"steps": 1, "run_dir": str(tmp_path / "runs")},
+    )  # fmt: skip
+    return subprocess.run([sys.executable, "train.py", "--config", str(cfg_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_missing_corpus_file_is_a_clear_error(micro, tmp_path):
+    out = _bad_input_run(micro, tmp_path, corpus=str(tmp_path / "no_corpus.jsonl"))
+    assert out.returncode != 0
+    assert "corpus file not found" in out.stderr and "no_corpus.jsonl" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_empty_question_is_a_clear_error(micro, tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text(json.dumps({"id": "a", "question": "  ", "golden_answers": ["x"]}) + "\n")
+    out = _bad_input_run(micro, tmp_path, train=str(bad))
+    assert out.returncode != 0
+    assert "empty question" in out.stderr and "train.jsonl:1" in out.stderr
+    assert "Traceback" not in out.stderr

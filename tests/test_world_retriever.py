@@ -1,0 +1,79 @@
+"""The tiny world (deterministic, well-formed, disjoint splits) and the BM25 retriever."""
+
+import json
+import random
+
+import pytest
+
+from config import WorldConfig
+from retriever import build_bm25, format_hits, load_corpus, search
+from world import generate_world, teacher_segments
+
+SMALL = WorldConfig(seed=3, n_people=200, n_cities=20, n_countries=5, n_val=10, n_test=10)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world(SMALL)
+
+
+@pytest.fixture(scope="module")
+def index(world):
+    return build_bm25(world.corpus)
+
+
+def test_world_is_deterministic_and_in_corpus_format(world):
+    again = generate_world(SMALL)
+    assert json.dumps(again.corpus) == json.dumps(world.corpus)
+    other = generate_world(WorldConfig(seed=4, n_people=200, n_cities=20, n_countries=5, n_val=10, n_test=10))
+    assert json.dumps(other.corpus) != json.dumps(world.corpus)
+    for doc in world.corpus:
+        title, _, text = doc["contents"].partition("\n")
+        assert title.startswith('"') and title.endswith('"') and text
+        assert {"id", "contents", "url", "domain", "date"} <= set(doc)
+    assert len({d["id"] for d in world.corpus}) == len(world.corpus)
+
+
+def test_splits_ask_about_disjoint_people_and_answers_are_right(world):
+    people = {s: {q["metadata"]["person"] for q in qs} for s, qs in world.questions.items()}
+    assert not people["train"] & people["val"] and not people["val"] & people["test"]
+    assert len(world.questions["val"]) == 2 * SMALL.n_val
+    for q in world.questions["val"]:
+        city = world.people[q["metadata"]["person"]]
+        want = city if q["metadata"]["type"] == "1hop" else world.city_country[city]
+        assert q["golden_answers"] == [want] and q["question"].strip()
+
+
+def test_bm25_finds_the_gold_passage_first(world, index):
+    qs = [q for q in world.questions["val"] if q["metadata"]["type"] == "1hop"]
+    hits = search(index, [f"{q['metadata']['person']} born" for q in qs], k=3)  # one batched call
+    top1 = sum(q["golden_answers"][0] in h[0]["document"]["contents"] for q, h in zip(qs, hits))
+    assert top1 / len(qs) >= 0.9
+    assert all(len(h) == 3 for h in hits)
+
+
+def test_format_hits_and_edge_queries(index):
+    hits = search(index, ["", "zzzz qqqq", "x" * 10_000], k=3)
+    assert hits[0] == [] and hits[1] == [] and hits[2] == []
+    assert format_hits([]) == "No results."
+    one = search(index, [index.corpus[0]["contents"].split('"')[1] + " born"], k=2)[0]
+    rendered = format_hits(one)
+    assert rendered.startswith("Doc 1(Title: ") and "\nDoc 2(Title: " in rendered
+
+
+def test_teacher_is_imperfect_in_the_designed_way(world, index):
+    tool = lambda q: format_hits(search(index, [q], 3)[0])  # noqa: E731
+    rng = random.Random(0)
+    two_hop = [q for q in world.questions["train"] if q["metadata"]["type"] == "2hop"][:100]
+    searches = [sum(r == "obs" for _, r in teacher_segments(q, tool, rng, ["K"], ["C"], 0.5, 0.1)) for q in two_hop]
+    assert 0 in searches and 1 in searches and 2 in searches  # no search, guess after 1 hop, full
+    assert 0.35 < searches.count(2) / len(searches) < 0.6
+
+
+def test_missing_corpus_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_corpus(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "1"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_corpus(bad)
