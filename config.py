@@ -11,7 +11,7 @@ is an error that names the path.
     >>> load_config(None, ["train.lr_rate=1"])
     Traceback (most recent call last):
     ...
-    config.ConfigError: unknown config key 'train.lr_rate' (known keys in 'train': ...)
+    config.ConfigError: unknown config key 'train.lr_rate' (known keys in train: seed, steps, ...)
 
 Run `python config.py configs/tiny.yaml` to print the resolved config.
 """
