@@ -72,6 +72,7 @@ class SFTConfig:
     decay_frac: float = 0.25  # lr is constant until the last quarter, then cosine to 10%
     weight_decay: float = 0.0
     train_on_observations: bool = True  # SFT targets include <information> text (see sft.py)
+    probe_every: int = 100  # held-out copy-accuracy probe (sft.copy_probe); 0 = only at the end
     bf16: bool = True  # autocast; ~2x faster on CPUs with AMX/AVX512-bf16 (DESIGN §6)
     # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
     p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop

@@ -130,8 +130,14 @@ def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def sft_train(model, examples: list[tuple[list[int], list[int]]], scfg: SFTConfig, pad_id: int, seed: int = 0):
-    """Masked next-token loss on (ids, loss_mask) examples; AdamW, warm-up/constant/cosine."""
+def sft_train(
+    model, examples: list[tuple[list[int], list[int]]], scfg: SFTConfig, pad_id: int, seed: int = 0, probe=None
+) -> tuple[list[float], list[dict]]:
+    """Masked next-token loss on (ids, loss_mask) examples; AdamW, warm-up/constant/cosine.
+
+    Returns the loss per step and, every `scfg.probe_every` steps, {"step", "copy_acc"} from
+    `probe(model)` (no gradient, no randomness: it does not change the training run).
+    """
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=scfg.lr, weight_decay=scfg.weight_decay, betas=(0.9, 0.98))
 
@@ -149,6 +155,7 @@ def sft_train(model, examples: list[tuple[list[int], list[int]]], scfg: SFTConfi
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     model.train()
     history: list[float] = []
+    probes: list[dict] = []
     batches: list[list[int]] = []
     bar = tqdm(range(scfg.steps), desc="sft", mininterval=5)
     for step in bar:
@@ -168,21 +175,18 @@ def sft_train(model, examples: list[tuple[list[int], list[int]]], scfg: SFTConfi
         history.append(loss.item())
         if step % 20 == 0:
             bar.set_postfix(loss=f"{sum(history[-20:]) / len(history[-20:]):.3f}")
+        if probe is not None and scfg.probe_every and ((step + 1) % scfg.probe_every == 0 or step + 1 == scfg.steps):
+            probes.append({"step": step + 1, "copy_acc": probe(model)})
+            bar.write(f"sft step {step + 1}: held-out copy accuracy {probes[-1]['copy_acc']:.2f}")
     model.eval()
-    return history
+    return history, probes
 
 
-def teacher_examples(cfg: Config, world_path: Path) -> list[list[tuple[str, str]]]:
-    """Teacher trajectories for every training question, with real BM25 observations."""
+def world_search_tool(cfg: Config, world_path: Path):
+    """query -> rendered hits over the world's corpus: the tool the policy uses in rollouts."""
     from retriever import build_bm25, format_hits, load_corpus, search
-    from world import read_jsonl, teacher_segments
 
-    corpus = load_corpus(world_path / "corpus.jsonl")
-    index = build_bm25(corpus)
-    questions = read_jsonl(world_path / "train.jsonl")
-    countries = [d["contents"].split('"')[1] for d in corpus if d["id"].startswith("k")]
-    cities = [d["contents"].split('"')[1] for d in corpus if d["id"].startswith("c")]
-    rng = random.Random(cfg.world.seed + 1)
+    index = build_bm25(load_corpus(world_path / "corpus.jsonl"))
     cache: dict[str, str] = {}
 
     def tool(query: str) -> str:
@@ -190,13 +194,60 @@ def teacher_examples(cfg: Config, world_path: Path) -> list[list[tuple[str, str]
             cache[query] = format_hits(search(index, [query], cfg.retriever.topk)[0])
         return cache[query]
 
+    return tool
+
+
+def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str, str]]]:
+    """Teacher trajectories for every training question, with real BM25 observations."""
+    from world import generate_world, read_jsonl, teacher_segments
+
+    world = generate_world(cfg.world)  # deterministic: the same world as on disk
+    countries, cities = world.countries, list(world.city_country)
+    rng = random.Random(cfg.world.seed + 1)
     trajectories = []
-    for q in tqdm(questions, desc="teacher", mininterval=5):
+    for q in tqdm(read_jsonl(world_path / "train.jsonl"), desc="teacher", mininterval=5):
         segs = teacher_segments(
             q, tool, rng, countries, cities, cfg.sft.p_guess_second_hop, cfg.sft.p_no_search
         )
         trajectories.append([(render_prompt(q["question"], cfg.rollout.prompt_template), "prompt")] + segs)
     return trajectories
+
+
+def copy_probe(cfg: Config, world_path: Path, tool, tokenizer, n: int = 200):
+    """A held-out diagnostic: can the policy read the city off the retrieved passage?
+
+    For n validation questions, the teacher's correct trajectory is cut right after the first
+    passage and "<think> P was born in the city of"; the probe is the share of questions whose
+    next token(s), argmax and teacher-forced, are the city. Returns model -> accuracy.
+    """
+    from world import read_jsonl, teacher_segments
+
+    rng = random.Random(0)
+    examples = []
+    for q in read_jsonl(world_path / "val.jsonl")[:n]:
+        segs = teacher_segments(q, tool, rng, [], [], 0.0, 0.0)  # always the full, correct path
+        k = [i for i, (_, role) in enumerate(segs) if role == "obs"][0] + 1
+        before = segs[k][0].split(" city of ", 1)[0] + " city of"
+        context = [(render_prompt(q["question"], cfg.rollout.prompt_template), "prompt")] + [
+            (text, "prompt" if role == "policy" else role) for text, role in segs[:k]
+        ]
+        target = [(before, "prompt"), (" " + q["metadata"]["city"], "policy")]
+        examples.append(tokenize_segments(tokenizer, context + target))
+
+    @torch.no_grad()
+    def accuracy(model) -> float:
+        was_training = model.training
+        model.eval()
+        right = 0
+        for i in range(0, len(examples), 50):
+            ids, attn, mask = pad_batch([e[0] for e in examples[i : i + 50]], [e[1] for e in examples[i : i + 50]],
+                                        tokenizer.eos_token_id)  # fmt: skip
+            pred = model(input_ids=ids, attention_mask=attn).logits.argmax(-1)[:, :-1]
+            right += int(((pred == ids[:, 1:]) | (mask[:, 1:] == 0)).all(-1).sum())
+        model.train(was_training)
+        return right / len(examples)
+
+    return accuracy
 
 
 def ensure_tiny_policy(cfg: Config) -> Path:
@@ -210,7 +261,8 @@ def ensure_tiny_policy(cfg: Config) -> Path:
     t0 = time.time()
     torch.manual_seed(cfg.world.seed)
     ensure_world_data(cfg)
-    trajectories = teacher_examples(cfg, out)
+    tool = world_search_tool(cfg, out)
+    trajectories = teacher_examples(cfg, out, tool)
     with open(out / "sft.jsonl", "w") as f:
         for t in trajectories:
             f.write(json.dumps(t) + "\n")
@@ -229,9 +281,10 @@ def ensure_tiny_policy(cfg: Config) -> Path:
         f"tiny policy: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
         f"{len(examples)} SFT trajectories, median {lengths[len(lengths) // 2]} tokens"
     )
-    history = sft_train(model, examples, cfg.sft, tokenizer.eos_token_id, cfg.world.seed)
+    probe = copy_probe(cfg, out, tool, tokenizer)
+    history, probes = sft_train(model, examples, cfg.sft, tokenizer.eos_token_id, cfg.world.seed, probe)
     model.save_pretrained(policy_dir, safe_serialization=True)
-    summary = {"sft_seconds": round(time.time() - t0, 1), "final_loss": sum(history[-50:]) / 50}
+    summary = {"sft_seconds": round(time.time() - t0, 1), "final_loss": sum(history[-50:]) / 50, "copy_acc": probes}
     (out / "sft_summary.json").write_text(json.dumps(summary, indent=1))
     with open(out / "sft_loss.jsonl", "w") as f:
         for step, loss in enumerate(history):

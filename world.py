@@ -46,6 +46,7 @@ class World:
     questions: dict[str, list[dict]]  # split -> FlashRAG records
     people: dict[str, str] = field(default_factory=dict)  # person -> birth city
     city_country: dict[str, str] = field(default_factory=dict)
+    countries: list[str] = field(default_factory=list)
 
 
 def _names(rng: random.Random, n: int, syllables: tuple[int, int], taken: set[str]) -> list[str]:
@@ -114,7 +115,7 @@ def generate_world(cfg: WorldConfig) -> World:
                 _question(f"{split}-2hop-{len(records)}", "2hop", person, city, city_country[city])
             )
         questions[split] = records
-    return World(corpus, questions, people, city_country)
+    return World(corpus, questions, people, city_country, countries)
 
 
 def _question(qid: str, kind: str, person: str, city: str, answer: str) -> dict:
@@ -185,7 +186,7 @@ def world_key(cfg: Config) -> str:
     parts = {
         "world": vars(cfg.world) | {"cache_dir": None},
         "model": vars(cfg.model),
-        "sft": vars(cfg.sft),
+        "sft": vars(cfg.sft) | {"probe_every": None},  # a diagnostic; it changes no weights
         "topk": cfg.retriever.topk,
         "max_obs_tokens": cfg.rollout.max_obs_tokens,
         "prompt": cfg.rollout.prompt_template,
