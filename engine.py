@@ -101,9 +101,7 @@ class VLLMEngine:
             )
             for i, m in enumerate(max_tokens)
         ]
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         result = []
         for o in outs:
             c = o.outputs[0]

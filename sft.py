@@ -186,14 +186,14 @@ def sft_train(
 
 def world_search_tool(cfg: Config, world_path: Path):
     """query -> rendered hits over the world's corpus: the tool the policy uses in rollouts."""
-    from retriever import build_bm25, format_hits, load_corpus, search
+    from retriever import format_hits, open_search
 
-    index = build_bm25(load_corpus(world_path / "corpus.jsonl"))
+    search = open_search(cfg.retriever, world_path / "corpus.jsonl")
     cache: dict[str, str] = {}
 
     def tool(query: str) -> str:
         if query not in cache:
-            cache[query] = format_hits(search(index, [query], cfg.retriever.topk)[0])
+            cache[query] = format_hits(search([query], cfg.retriever.topk)[0])
         return cache[query]
 
     return tool
@@ -208,9 +208,7 @@ def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str
     rng = random.Random(cfg.world.seed + 1)
     trajectories = []
     for q in tqdm(read_jsonl(world_path / "train.jsonl"), desc="teacher", mininterval=5):
-        segs = teacher_segments(
-            q, tool, rng, countries, cities, cfg.sft.p_guess_second_hop, cfg.sft.p_no_search
-        )
+        segs = teacher_segments(q, tool, rng, countries, cities, cfg.sft.p_guess_second_hop, cfg.sft.p_no_search)
         trajectories.append([(render_prompt(q["question"], cfg.rollout.prompt_template), "prompt")] + segs)
     return trajectories
 

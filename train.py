@@ -201,14 +201,15 @@ def load_questions(path: Path) -> list[dict]:
 
 
 def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
-    """Batched search tool: list of queries -> rendered hits. Imports bm25s: call after vLLM."""
-    from retriever import build_bm25, format_hits, load_corpus, search
+    """Batched search tool: list of queries -> rendered hits, in process or over HTTP
+    (retriever.open_search). Imports bm25s: call after vLLM has started."""
+    from retriever import format_hits, open_search
 
-    index = build_bm25(load_corpus(corpus_path))
+    search = open_search(cfg.retriever, corpus_path)
 
     def search_fn(queries: list[str]) -> list[str]:
         t = time.time()
-        out = [format_hits(h) for h in search(index, queries, cfg.retriever.topk)]
+        out = [format_hits(h) for h in search(queries, cfg.retriever.topk)]
         timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
         return out
 

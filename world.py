@@ -6,9 +6,13 @@ memory: searching is necessary, which makes the effect of RL visible on a laptop
     world = generate_world(WorldConfig(seed=0))
     world.corpus[0]    # {"id": "p0", "contents": '"Tavi Morek"\\nTavi Morek was born in the
                        #  city of Velor.', "url": "https://tinypedia.org/wiki/Tavi_Morek", ...}
+    world.corpus[-1]   # a contradicting passage on an unreliable domain (config unreliable_frac):
+                       # {"id": "u120", "contents": '"Noke"\\nSome say Noke is a city in the
+                       #  country of Topus.', "domain": "rumormill.net", ...}
     world.questions["val"][0]
                        # {"id": "val-1hop-0", "question": "Where was Tavi Morek born?",
-                       #  "golden_answers": ["Velor"], "metadata": {"type": "1hop", ...}}
+                       #  "golden_answers": ["Velor"], "metadata": {"type": "1hop",
+                       #  "gold_ids": ["p17"], ...}}
 
 Question types:
   1hop  "Where was P born?"                -> the city   (one search: "P born")
@@ -63,16 +67,42 @@ def _names(rng: random.Random, n: int, syllables: tuple[int, int], taken: set[st
     return out
 
 
-def _passage(pid: str, title: str, text: str, rng: random.Random) -> dict:
+RELIABLE_DOMAIN = "tinypedia.org"
+UNRELIABLE_DOMAINS = ("rumormill.net", "gossipwiki.com", "fastfacts.biz")
+
+
+def _passage(pid: str, title: str, text: str, rng: random.Random, domain: str = RELIABLE_DOMAIN) -> dict:
     slug = title.replace(" ", "_")
     year = rng.randint(2005, 2024)
+    path = "wiki/" if domain == RELIABLE_DOMAIN else ""
     return {
         "id": pid,
         "contents": f'"{title}"\n{text}',
-        "url": f"https://tinypedia.org/wiki/{slug}",
-        "domain": "tinypedia.org",
+        "url": f"https://{domain}/{path}{slug}",
+        "domain": domain,
         "date": f"{year}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
     }
+
+
+def _unreliable_passages(cfg: WorldConfig, people: dict[str, str], city_country: dict[str, str]) -> list[dict]:
+    """Contradicting passages on unreliable domains: "Some say P was born in the city of X."
+
+    A separate rng, so the reliable world and the questions do not depend on unreliable_frac.
+    The extra words make these passages longer, so BM25 ranks the reliable one first on an
+    exact query; with top-3 both show up, and only the source tells them apart.
+    """
+    rng = random.Random(cfg.seed + 7919)
+    cities, countries = list(city_country), sorted(set(city_country.values()))
+    out = []
+    for person in rng.sample(list(people), round(cfg.unreliable_frac * len(people))):
+        wrong = rng.choice([c for c in cities if c != people[person]])
+        text = f"Some say {person} was born in the city of {wrong}."
+        out.append(_passage(f"u{len(out)}", person, text, rng, rng.choice(UNRELIABLE_DOMAINS)))
+    for city in rng.sample(cities, round(cfg.unreliable_frac * len(cities))):
+        wrong = rng.choice([k for k in countries if k != city_country[city]] or countries)
+        text = f"Some say {city} is a city in the country of {wrong}."
+        out.append(_passage(f"u{len(out)}", city, text, rng, rng.choice(UNRELIABLE_DOMAINS)))
+    return out
 
 
 def generate_world(cfg: WorldConfig) -> World:
@@ -96,7 +126,10 @@ def generate_world(cfg: WorldConfig) -> World:
         corpus.append(_passage(f"c{i}", city, f"{city} is a city in the country of {country}.", rng))
     for i, country in enumerate(countries):
         corpus.append(_passage(f"k{i}", country, f"{country} is a country.", rng))
+    corpus += _unreliable_passages(cfg, people, city_country)
 
+    person_id = {p: f"p{i}" for i, p in enumerate(people)}
+    city_id = {c: f"c{i}" for i, c in enumerate(city_country)}
     order = list(people)
     rng.shuffle(order)
     n_held = cfg.n_val + cfg.n_test
@@ -110,17 +143,16 @@ def generate_world(cfg: WorldConfig) -> World:
         records = []
         for person in persons:
             city = people[person]
-            records.append(_question(f"{split}-1hop-{len(records)}", "1hop", person, city, city))
-            records.append(
-                _question(f"{split}-2hop-{len(records)}", "2hop", person, city, city_country[city])
-            )
+            gold = [person_id[person], city_id[city]]  # the passages that answer it, in hop order
+            records.append(_question(f"{split}-1hop-{len(records)}", "1hop", person, city, city, gold[:1]))
+            records.append(_question(f"{split}-2hop-{len(records)}", "2hop", person, city, city_country[city], gold))
         questions[split] = records
     return World(corpus, questions, people, city_country, countries)
 
 
-def _question(qid: str, kind: str, person: str, city: str, answer: str) -> dict:
+def _question(qid: str, kind: str, person: str, city: str, answer: str, gold_ids: list[str]) -> dict:
     text = f"Where was {person} born?" if kind == "1hop" else f"In which country was {person} born?"
-    meta = {"type": kind, "person": person, "city": city, "data_source": "tiny"}
+    meta = {"type": kind, "person": person, "city": city, "gold_ids": gold_ids, "data_source": "tiny"}
     return {"id": qid, "question": text, "golden_answers": [answer], "metadata": meta}
 
 
@@ -164,14 +196,11 @@ def teacher_segments(
         return segs
     if rng.random() < p_guess_second_hop:
         guess = rng.choice(countries)
-        segs.append(
-            (f"<think> {fact} It is in the country of {guess}.</think><answer> {guess}</answer>", "policy")
-        )
+        segs.append((f"<think> {fact} It is in the country of {guess}.</think><answer> {guess}</answer>", "policy"))
         return segs
     segs.append(
         (
-            f"<think> {fact} I need the country of {city}.</think>"
-            f"<search> {city} country</search>",
+            f"<think> {fact} I need the country of {city}.</think><search> {city} country</search>",
             "policy",
         )
     )
@@ -195,7 +224,7 @@ def world_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
-FORMAT_VERSION = 2  # bump when the generator, teacher or prompt changes what gets built
+FORMAT_VERSION = 3  # bump when the generator, teacher or prompt changes what gets built
 
 
 def world_dir(cfg: Config) -> Path:

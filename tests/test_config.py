@@ -50,7 +50,10 @@ def test_every_shipped_config_loads():
 def test_train_cli_reports_unknown_key_without_traceback():
     out = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--set", "train.lrr=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2
     assert "unknown config key 'train.lrr'" in out.stderr

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from config import WorldConfig
-from retriever import build_bm25, format_hits, load_corpus, search
-from world import generate_world, teacher_segments
+from retriever import build_index, format_hits, load_index, scan_corpus, search
+from world import UNRELIABLE_DOMAINS, generate_world, teacher_segments, write_jsonl
 
 SMALL = WorldConfig(seed=3, n_people=200, n_cities=20, n_countries=5, n_val=10, n_test=10)
 
@@ -18,8 +18,10 @@ def world():
 
 
 @pytest.fixture(scope="module")
-def index(world):
-    return build_bm25(world.corpus)
+def index(world, tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("world") / "corpus.jsonl"
+    write_jsonl(corpus, world.corpus)
+    return load_index(build_index(corpus, corpus.parent / "bm25"))
 
 
 def test_world_is_deterministic_and_in_corpus_format(world):
@@ -32,6 +34,18 @@ def test_world_is_deterministic_and_in_corpus_format(world):
         assert title.startswith('"') and title.endswith('"') and text
         assert {"id", "contents", "url", "domain", "date"} <= set(doc)
     assert len({d["id"] for d in world.corpus}) == len(world.corpus)
+
+
+def test_unreliable_domains_contradict_the_reliable_passages(world):
+    reliable = {d["contents"].split('"')[1]: d for d in world.corpus if d["domain"] == "tinypedia.org"}
+    bad = [d for d in world.corpus if d["domain"] != "tinypedia.org"]
+    assert bad and {d["domain"] for d in bad} <= set(UNRELIABLE_DOMAINS)
+    for d in bad:
+        title = d["contents"].split('"')[1]
+        true_fact = reliable[title]["contents"].split("\n")[1]
+        assert d["contents"].split("\n")[1] != "Some say " + true_fact  # a different city / country
+        assert d["url"].startswith(f"https://{d['domain']}/")
+    assert abs(len(bad) / len(reliable) - SMALL.unreliable_frac) < 0.02
 
 
 def test_splits_ask_about_disjoint_people_and_answers_are_right(world):
@@ -47,8 +61,8 @@ def test_splits_ask_about_disjoint_people_and_answers_are_right(world):
 def test_bm25_finds_the_gold_passage_first(world, index):
     qs = [q for q in world.questions["val"] if q["metadata"]["type"] == "1hop"]
     hits = search(index, [f"{q['metadata']['person']} born" for q in qs], k=3)  # one batched call
-    top1 = sum(q["golden_answers"][0] in h[0]["document"]["contents"] for q, h in zip(qs, hits))
-    assert top1 / len(qs) >= 0.9
+    top1 = sum(q["metadata"]["gold_ids"][0] == h[0]["document"]["id"] for q, h in zip(qs, hits))
+    assert top1 / len(qs) >= 0.95
     assert all(len(h) == 3 for h in hits)
 
 
@@ -56,7 +70,7 @@ def test_format_hits_and_edge_queries(index):
     hits = search(index, ["", "zzzz qqqq", "x" * 10_000], k=3)
     assert hits[0] == [] and hits[1] == [] and hits[2] == []
     assert format_hits([]) == "No results."
-    one = search(index, [index.corpus[0]["contents"].split('"')[1] + " born"], k=2)[0]
+    one = search(index, [search(index, ["born"], 1)[0][0]["document"]["contents"].split('"')[1] + " born"], k=2)[0]
     rendered = format_hits(one)
     assert rendered.startswith("Doc 1(Title: ") and "\nDoc 2(Title: " in rendered
 
@@ -70,10 +84,13 @@ def test_teacher_is_imperfect_in_the_designed_way(world, index):
     assert 0.35 < searches.count(2) / len(searches) < 0.6
 
 
-def test_missing_corpus_names_the_path(tmp_path):
+def test_missing_or_malformed_corpus_names_the_path_and_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        load_corpus(tmp_path / "nope.jsonl")
+        scan_corpus(tmp_path / "nope.jsonl")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "1"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
-        load_corpus(bad)
+    bad.write_text('{"id": "0", "contents": "\\"A\\"\\nok"}\n\n{"id": "1"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:3"):
+        scan_corpus(bad)
+    bad.write_text('{"id": "0", "contents": "x"}\n{not json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not JSON"):
+        scan_corpus(bad)

@@ -1,0 +1,232 @@
+"""HTTP retrieval server speaking Search-R1's wire format, and the client rollouts use.
+
+    python retriever.py serve --index idx/bm25 --port 8000        # binds 127.0.0.1 by default
+
+    POST /retrieve  {"queries": ["Tavi Morek born"], "topk": 3, "return_scores": true}
+                 -> {"result": [[{"document": {"id": "p17", "contents": "\\"Tavi Morek\\"\\n..."},
+                                  "score": 7.3}, ...]]}
+                    (return_scores false: {"result": [[document, ...]]}, as Search-R1's server)
+    POST /search    {"query": "Tavi Morek site:tinypedia.org", "topk": 5}   web_search (operators)
+    POST /read      {"id": "p17", "max_tokens": 512}                          read one source
+    GET  /health    {"status": "ok", "n_docs": ..., "requests": ..., "batches": ...}
+
+Existing Search-R1 clients work unchanged against /retrieve. Unlike the reference server
+(DESIGN.md §7), requests are limited: body size, queries per request, characters per query
+and topk are checked, and each violation gets a 4xx naming the limit; the server stays up.
+Concurrent /retrieve requests are batched: one worker thread drains the queue and sends every
+waiting query to the index in one call, so the dense encoder sees one batch, not many.
+
+The client (`http_retrieve`) has a timeout, retries 5xx and connection errors with exponential
+backoff, never retries a 4xx (the request itself is wrong), and raises one clear error at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+class RetrieverError(RuntimeError):
+    """The retrieval server could not answer (after retries) or refused the request."""
+
+
+@dataclass
+class Limits:
+    max_queries: int = 512
+    max_query_chars: int = 2048
+    max_topk: int = 100
+
+    @property
+    def max_body_bytes(self) -> int:  # generous for JSON escaping; a hard cap before parsing
+        return 16_384 + self.max_queries * (6 * self.max_query_chars + 16)
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def parse_json_body(body: bytes) -> dict:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(400, f"request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(400, f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise BadRequest(422, "request body must be a JSON object")
+    return data
+
+
+def check_topk(topk, limits: Limits) -> int:
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= limits.max_topk:
+        raise BadRequest(422, f"topk must be an integer from 1 to {limits.max_topk}, got {topk!r}")
+    return topk
+
+
+def check_query(q, limits: Limits, where: str = "query") -> str:
+    if not isinstance(q, str):
+        raise BadRequest(422, f"{where} must be a string, got {type(q).__name__}")
+    if not q.strip():
+        raise BadRequest(422, f"{where} is empty")
+    if len(q) > limits.max_query_chars:
+        raise BadRequest(413, f"{where} has {len(q)} characters; the limit is {limits.max_query_chars}")
+    return q
+
+
+def parse_retrieve(data: dict, limits: Limits) -> tuple[list[str], int, bool]:
+    """Validate a Search-R1 /retrieve request -> (queries, topk, return_scores)."""
+    queries = data.get("queries")
+    if not isinstance(queries, list) or not queries:
+        raise BadRequest(422, "'queries' must be a non-empty list of strings")
+    if len(queries) > limits.max_queries:
+        raise BadRequest(413, f"{len(queries)} queries in one request; the limit is {limits.max_queries}")
+    for i, q in enumerate(queries):
+        check_query(q, limits, f"queries[{i}]")
+    return queries, check_topk(data.get("topk", 3), limits), bool(data.get("return_scores", True))
+
+
+def create_app(index, limits: Limits):
+    """The FastAPI app over a loaded `retriever.Index`."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    from retriever import search
+    from websearch import read, web_search
+
+    app = FastAPI(title="search-agent retriever")
+    stats = {"requests": 0, "batches": 0, "queries": 0}
+    queue: asyncio.Queue = asyncio.Queue()
+    worker: list[asyncio.Task] = []
+
+    async def drain():
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty() and sum(len(b[0]) for b in batch) < limits.max_queries:
+                batch.append(queue.get_nowait())
+            queries = [q for b in batch for q in b[0]]
+            k = max(b[1] for b in batch)
+            try:
+                hits = await asyncio.to_thread(search, index, queries, k)
+            except Exception as e:  # noqa: BLE001 - answered as a 500 to every waiting request
+                for b in batch:
+                    b[2].set_exception(e)
+                continue
+            stats["batches"] += 1
+            stats["queries"] += len(queries)
+            at = 0
+            for qs, topk, fut in batch:
+                fut.set_result([h[:topk] for h in hits[at : at + len(qs)]])
+                at += len(qs)
+
+    async def read_body(request: Request) -> dict:
+        size = int(request.headers.get("content-length") or 0)
+        if size > limits.max_body_bytes:
+            raise BadRequest(413, f"request body of {size} bytes; the limit is {limits.max_body_bytes}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limits.max_body_bytes:
+                raise BadRequest(413, f"request body over {limits.max_body_bytes} bytes")
+        return parse_json_body(bytes(body))
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_, e: BadRequest):
+        return JSONResponse({"error": e.message}, status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):
+        return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request):
+        queries, topk, with_scores = parse_retrieve(await read_body(request), limits)
+        stats["requests"] += 1
+        if not worker:
+            worker.append(asyncio.create_task(drain()))
+        fut = asyncio.get_running_loop().create_future()
+        await queue.put((queries, topk, fut))
+        hits = await fut
+        if not with_scores:
+            return {"result": [[h["document"] for h in hs] for hs in hits]}
+        return {"result": hits}
+
+    @app.post("/search")
+    async def web(request: Request):
+        data = await read_body(request)
+        query = check_query(data.get("query"), limits)
+        return await asyncio.to_thread(web_search, index, query, check_topk(data.get("topk", 5), limits))
+
+    @app.post("/read")
+    async def read_doc(request: Request):
+        data = await read_body(request)
+        key = check_query(data.get("id"), limits, "id")
+        budget = data.get("max_tokens", 512)
+        if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= 100_000:
+            raise BadRequest(422, f"max_tokens must be an integer from 1 to 100000, got {budget!r}")
+        return await asyncio.to_thread(read, index, key, budget)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "n_docs": len(index.corpus), "method": index.meta["method"], **stats}
+
+    return app
+
+
+def serve(args) -> None:
+    """`retriever.py serve`: load the index, then run uvicorn until killed."""
+    import uvicorn
+
+    from retriever import load_index
+
+    index = load_index(args.index, args.corpus, args.search_params)
+    limits = Limits(args.max_queries, args.max_query_chars, args.max_topk)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: binding {args.host}: the server is reachable beyond this machine", flush=True)
+    print(
+        f"serving {len(index.corpus)} passages ({index.meta['method']}) on http://{args.host}:{args.port}", flush=True
+    )
+    uvicorn.run(create_app(index, limits), host=args.host, port=args.port, log_level="warning")
+
+
+def http_retrieve(
+    url: str, queries: list[str], k: int, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5
+) -> list[list[dict]]:
+    """POST /retrieve (Search-R1 format) -> hits per query. Empty queries are answered locally
+    with no hits (the server refuses them)."""
+    if not queries:
+        return []
+    live = [i for i, q in enumerate(queries) if q.strip()]
+    out: list[list[dict]] = [[] for _ in queries]
+    if not live:
+        return out
+    endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
+    body = json.dumps({"queries": [queries[i] for i in live], "topk": k, "return_scores": True}).encode()
+    last = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        req = urllib.request.Request(endpoint, body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                result = json.loads(resp.read())["result"]
+            for i, hits in zip(live, result):
+                out[i] = hits
+            return out
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300]
+            if 400 <= e.code < 500:
+                raise RetrieverError(
+                    f"retrieval server {endpoint} refused the request: HTTP {e.code} {detail}"
+                ) from None
+            last = f"HTTP {e.code} {detail}"
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+    raise RetrieverError(f"retrieval server {endpoint} failed after {retries + 1} attempts; last error: {last}")

@@ -1,0 +1,176 @@
+"""Real indexes built from a generated corpus: BM25 (bm25s), dense (MiniLM + faiss), hybrid.
+
+Build, save, reload with mmap, query; the corpus check; a killed dense build that resumes;
+approximate faiss indexes against Flat.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from config import ConfigError, DataError
+from retriever import bm25_tokenize, build_index, load_index, search, search_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_hop(world, split="val"):
+    return [q for q in world.questions[split] if q["metadata"]["type"] == "1hop"]
+
+
+def recall_at(index, world, k, method):
+    qs = one_hop(world)
+    hits = search(index, [q["question"] for q in qs], k, method)
+    return sum(q["metadata"]["gold_ids"][0] in [h["document"]["id"] for h in hs] for q, hs in zip(qs, hits)) / len(qs)
+
+
+def test_indexes_reload_with_mmap_and_find_the_gold_passage(search_world):
+    world, corpus, index_dir = search_world
+    index = load_index(index_dir)
+    assert isinstance(index.bm25.scores["data"], np.memmap)  # bm25s arrays mmap'd, not copied
+    assert index.meta["n_docs"] == len(world.corpus) and len(index.corpus) == len(world.corpus)
+    for method, floor in (("bm25", 0.95), ("dense", 0.9), ("hybrid", 0.95)):
+        assert recall_at(index, world, 3, method) >= floor, method
+    again = load_index(index_dir)
+    qs = [q["question"] for q in one_hop(world)]
+    for method in ("bm25", "dense", "hybrid"):
+        assert search_rows(index, qs, 5, method) == search_rows(again, qs, 5, method)
+    hit = search(index, ["Where was " + one_hop(world)[0]["metadata"]["person"] + " born?"], 3)[0][0]
+    assert set(hit) == {"document", "score"} and {"id", "contents", "url", "domain", "date"} <= set(hit["document"])
+
+
+def test_bm25_scores_equal_plain_bm25s_on_the_same_tokens(search_world):
+    """Our wrapper adds no ranking of its own: same rows and scores as bm25s used directly."""
+    import bm25s
+
+    world, corpus, index_dir = search_world
+    index = load_index(index_dir)
+    plain = bm25s.BM25()
+    plain.index(bm25_tokenize([d["contents"] for d in world.corpus]), show_progress=False)
+    qs = [q["question"] for q in one_hop(world)]
+    rows, scores = plain.retrieve(bm25_tokenize(qs), k=5, show_progress=False)
+    ours = search_rows(index, qs, 5, "bm25")
+    for r, s, o in zip(rows, scores, ours):
+        assert [x for x, _ in o] == [int(x) for x in r]
+        np.testing.assert_allclose([y for _, y in o], s, rtol=1e-6)
+
+
+def test_stemming_is_applied_to_queries_and_documents(search_world):
+    index = load_index(search_world[2])
+    person = one_hop(search_world[0])[0]["metadata"]["person"]
+    # "cities" and "city" share the stem "citi": the query is stemmed like the documents
+    assert (
+        search_rows(index, [f"{person} cities"], 1, "bm25")[0] == search_rows(index, [f"{person} city"], 1, "bm25")[0]
+    )
+    assert search(index, ["", "qqqq zzzz"], 3, "bm25") == [[], []]
+
+
+def test_corpus_that_does_not_match_the_index_is_refused(search_world, tmp_path):
+    _, corpus, index_dir = search_world
+    lines = corpus.read_text().splitlines(keepends=True)
+    swapped = tmp_path / "corpus.jsonl"
+    swapped.write_text("".join([lines[1], lines[0], *lines[2:]]))  # same size, rows swapped
+    with pytest.raises(DataError, match="row 0 holds id"):
+        load_index(index_dir, swapped)
+    swapped.write_text("".join(lines[:-1]))
+    with pytest.raises(DataError, match="does not match index"):
+        load_index(index_dir, swapped)
+    with pytest.raises(FileNotFoundError, match="gone.jsonl"):
+        load_index(index_dir, tmp_path / "gone.jsonl")
+    with pytest.raises(FileNotFoundError, match="no index at"):
+        load_index(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="unknown retrieval method 'tfidf'"):
+        build_index(corpus, tmp_path / "x", "tfidf")
+
+
+def test_killed_dense_build_resumes_and_matches_a_clean_build(search_world, tmp_path):
+    _, corpus, index_dir = search_world
+    out = tmp_path / "dense"
+    cmd = [
+        sys.executable,
+        str(ROOT / "retriever.py"),
+        "build",
+        "--corpus",
+        str(corpus),
+        "--method",
+        "dense",
+        "--out",
+        str(out),
+        "--chunk",
+        "64",
+        "--batch-size",
+        "16",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    state = out / "embed_state.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (state.exists() and json.loads(state.read_text())["rows_done"] >= 128):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = json.loads(state.read_text())["rows_done"]
+    n = json.loads((out / "meta.json").read_text())["n_docs"]
+    assert 128 <= done < n, "the build finished before it could be killed"
+    with pytest.raises(DataError, match="partial build"):
+        load_index(out)
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming embeddings at row {done} of {n}" in resumed.stdout
+    clean = np.memmap(index_dir / "embeddings.f32", dtype=np.float32, mode="r").reshape(n, -1)
+    got = np.memmap(out / "embeddings.f32", dtype=np.float32, mode="r").reshape(n, -1)
+    np.testing.assert_allclose(got, clean, atol=2e-5)  # batches of 16 vs 64: padding differs
+    assert load_index(out).meta["complete"]
+    rebuild = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert rebuild.returncode != 0 and "already holds a finished index" in rebuild.stderr
+
+
+def approx_index(search_world, tmp_path, factory):
+    """A dense index with another faiss factory over the session index's finished embeddings
+    (copied in, so the build resumes past them and only builds the faiss index)."""
+    _, corpus, index_dir = search_world
+    out = tmp_path / factory.replace(",", "_")
+    out.mkdir()
+    shutil.copy(index_dir / "embeddings.f32", out / "embeddings.f32")
+    meta = json.loads((index_dir / "meta.json").read_text())
+    (out / "embed_state.json").write_text(json.dumps({"rows_done": meta["n_docs"]}))
+    meta = {k: v for k, v in meta.items() if k != "complete"}
+    meta |= {"method": "dense", "dense": meta["dense"] | {"index_factory": factory}}
+    (out / "meta.json").write_text(json.dumps(meta))
+    return build_index(corpus, out, "dense", model=meta["dense"]["model"], index_factory=factory)
+
+
+def overlap_at_10(found, exact):
+    return float(np.mean([len({r for r, _ in a} & {r for r, _ in e}) / len(e) for a, e in zip(found, exact)]))
+
+
+def test_hnsw_recall_at_10_against_flat(search_world, tmp_path):
+    world, _, index_dir = search_world
+    qs = [q["question"] for q in world.questions["val"]]
+    exact = search_rows(load_index(index_dir), qs, 10, "dense")
+    hnsw = load_index(approx_index(search_world, tmp_path, "HNSW32"), search_params="efSearch=64")
+    assert overlap_at_10(search_rows(hnsw, qs, 10, "dense"), exact) >= 0.95
+
+
+def test_ivf_search_params_reach_faiss(search_world, tmp_path):
+    world, _, index_dir = search_world
+    qs = [q["question"] for q in world.questions["val"]]
+    exact = search_rows(load_index(index_dir), qs, 10, "dense")
+    ivf = approx_index(search_world, tmp_path, "IVF8,Flat")
+    every_list = overlap_at_10(search_rows(load_index(ivf, search_params="nprobe=8"), qs, 10, "dense"), exact)
+    one_list = overlap_at_10(search_rows(load_index(ivf, search_params="nprobe=1"), qs, 10, "dense"), exact)
+    assert every_list == 1.0 and one_list < 0.9  # probing all 8 lists is exhaustive; one list is not
+
+
+def test_faiss_uses_all_cores(search_world):
+    import faiss
+
+    load_index(search_world[2])
+    assert faiss.omp_get_max_threads() == os.cpu_count()
