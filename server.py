@@ -20,14 +20,14 @@ The client (`http_retrieve`) has a timeout, retries 5xx and connection errors wi
 backoff, never retries a 4xx (the request itself is wrong), and raises one clear error at the end.
 """
 
-from __future__ import annotations
-
 import asyncio
 import json
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+
+DRAIN_BYTES = 64 * 2**20
 
 
 class RetrieverError(RuntimeError):
@@ -127,14 +127,19 @@ def create_app(index, limits: Limits):
                 at += len(qs)
 
     async def read_body(request: Request) -> dict:
-        size = int(request.headers.get("content-length") or 0)
-        if size > limits.max_body_bytes:
-            raise BadRequest(413, f"request body of {size} bytes; the limit is {limits.max_body_bytes}")
-        body = bytearray()
+        # An oversized body is read to the end and dropped (up to DRAIN_BYTES) so the client gets
+        # the 413 instead of a connection reset; it is never held in memory.
+        body, size = bytearray(), 0
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > limits.max_body_bytes:
-                raise BadRequest(413, f"request body over {limits.max_body_bytes} bytes")
+            size += len(chunk)
+            if size <= limits.max_body_bytes:
+                body += chunk
+            elif size > DRAIN_BYTES:
+                break
+        if size > limits.max_body_bytes:
+            raise BadRequest(
+                413, f"request body over {limits.max_body_bytes} bytes; the limit is {limits.max_body_bytes}"
+            )
         return parse_json_body(bytes(body))
 
     @app.exception_handler(BadRequest)
@@ -186,7 +191,7 @@ def serve(args) -> None:
 
     from retriever import load_index
 
-    index = load_index(args.index, args.corpus, args.search_params)
+    index = load_index(args.index, args.corpus, args.search_params, bm25_backend=args.bm25_backend)
     limits = Limits(args.max_queries, args.max_query_chars, args.max_topk)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the server is reachable beyond this machine", flush=True)

@@ -221,6 +221,10 @@ def world_key(cfg: Config) -> str:
         "prompt": cfg.rollout.prompt_template,
         "format": FORMAT_VERSION,
     }
+    r = cfg.retriever  # the teacher's observations come from this retriever
+    if (r.method, r.index, r.url, r.model) != ("bm25", "", "", ""):
+        parts["retriever"] = {"method": r.method, "index": r.index, "url": r.url, "model": r.model,
+                              "index_factory": r.index_factory}  # fmt: skip
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -174,3 +174,41 @@ def test_faiss_uses_all_cores(search_world):
 
     load_index(search_world[2])
     assert faiss.omp_get_max_threads() == os.cpu_count()
+
+
+@pytest.mark.parametrize(
+    "family_dir,prefix,pooling", [("e5-base-v2-tiny", "query: ", "mean"), ("bge-tiny", None, "cls")]
+)
+def test_encoder_conventions_on_a_local_hub_style_model(tmp_path, family_dir, prefix, pooling):
+    """A BERT saved to a local directory named like the hub model loads through the same code as
+    intfloat/e5-base-v2 would; the family's prefix, pooling and normalisation are applied."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from retriever import ENCODER_FAMILIES, default_encoder_path, encode, load_encoder
+
+    path = tmp_path / family_dir
+    tok = AutoTokenizer.from_pretrained(default_encoder_path())
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64)  # fmt: skip
+    BertModel(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    enc = load_encoder(str(path))
+    assert enc.family == family_dir.split("-")[0]
+    prefix = ENCODER_FAMILIES[enc.family]["query_prefix"] if prefix is None else prefix
+    texts = ["Where was Tavi Morek born?", "Velor"]
+    got = encode(enc, texts, "query")
+    batch = tok([prefix + t for t in texts], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = BertModel.from_pretrained(path).eval()(**batch).last_hidden_state
+    if pooling == "mean":
+        m = batch["attention_mask"].unsqueeze(-1).float()
+        want = (hidden * m).sum(1) / m.sum(1)
+    else:
+        want = hidden[:, 0]
+    want = torch.nn.functional.normalize(want, dim=-1).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    if enc.family == "e5":  # passages get their own prefix, so the same text embeds differently
+        assert not np.allclose(encode(enc, texts, "passage"), got, atol=1e-3)

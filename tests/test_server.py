@@ -1,0 +1,239 @@
+"""The retrieval server as a real process on 127.0.0.1, and the client rollouts use.
+
+Search-R1's exact request shape, every kind of bad input (each a 4xx, the server staying up),
+batching of concurrent requests, the client's timeout / retry / refusal behaviour, and a rollout
+that gets the same observations over HTTP as in process.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from config import RetrieverConfig
+from retriever import load_index, open_search, search
+from server import RetrieverError, http_retrieve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(index_dir, *extra):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "retriever.py"), "serve", "--index", str(index_dir), "--port", str(port), *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stdout.read()) from None
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+@pytest.fixture(scope="module")
+def server(search_world):
+    proc, url = start_server(search_world[2], "--max-queries", "64", "--max-query-chars", "500", "--max-topk", "50")
+    yield url
+    proc.terminate()
+    out = proc.communicate(timeout=30)[0]
+    assert "serving" in out and "http://127.0.0.1:" in out  # default bind is loopback
+
+
+def post(url: str, body: bytes | dict, path: str = "/retrieve"):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def health(url):
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_search_r1_request_shape_round_trip(server, search_world):
+    world, _, index_dir = search_world
+    queries = [q["question"] for q in world.questions["val"][:5]]
+    status, body = post(server, {"queries": queries, "topk": 3, "return_scores": True})
+    assert status == 200 and list(body) == ["result"] and len(body["result"]) == 5
+    local = search(load_index(index_dir), queries, 3)
+    for remote_hits, local_hits in zip(body["result"], local):
+        assert [h["document"]["id"] for h in remote_hits] == [h["document"]["id"] for h in local_hits]
+        assert all(set(h) == {"document", "score"} and {"id", "contents"} <= set(h["document"]) for h in remote_hits)
+        assert [h["score"] for h in remote_hits] == pytest.approx([h["score"] for h in local_hits])
+    status, body = post(server, {"queries": queries[:2], "topk": 2, "return_scores": False})
+    assert status == 200 and all(set(d) >= {"id", "contents"} and "score" not in d for d in body["result"][0])
+
+
+@pytest.mark.parametrize(
+    "body,status,message",
+    [
+        ({"queries": [""], "topk": 3}, 422, "queries[0] is empty"),
+        ({"queries": ["   "], "topk": 3}, 422, "is empty"),
+        ({"queries": ["x" * 100_000], "topk": 3}, 413, "100000 characters; the limit is 500"),
+        (b'{"queries": ["caf\xe9"], "topk": 3}', 400, "not valid UTF-8"),
+        ({"queries": ["a"], "topk": 0}, 422, "topk must be an integer from 1 to 50"),
+        ({"queries": ["a"], "topk": -1}, 422, "got -1"),
+        ({"queries": ["a"], "topk": 10**6}, 422, "got 1000000"),
+        ({"queries": ["a"], "topk": "3"}, 422, "topk must be an integer"),
+        (b'{"queries": ["a"], "topk": ', 400, "not valid JSON"),
+        (b"[1, 2]", 422, "must be a JSON object"),
+        ({"queries": ["born"] * 10_000, "topk": 3}, 413, "10000 queries in one request; the limit is 64"),
+        ({"queries": "born", "topk": 3}, 422, "non-empty list of strings"),
+        ({"queries": [3], "topk": 3}, 422, "queries[0] must be a string"),
+        ({"queries": []}, 422, "non-empty list"),
+    ],
+)
+def test_bad_input_gets_a_4xx_and_the_server_stays_up(server, body, status, message):
+    got, answer = post(server, body)
+    assert got == status and message in answer["error"], answer
+    assert health(server)["status"] == "ok"
+    assert post(server, {"queries": ["born"], "topk": 1})[0] == 200
+
+
+def test_oversized_body_is_refused_before_parsing(server):
+    got, answer = post(server, b'{"queries": ["' + b"a" * 5_000_000 + b'"]}')
+    assert got == 413 and "the limit is" in answer["error"]
+    assert health(server)["status"] == "ok"
+
+
+def test_concurrent_requests_are_batched_and_answered_correctly(server, search_world):
+    world, _, index_dir = search_world
+    questions = [q["question"] for q in world.questions["val"]]
+    expected = {
+        q: [h["document"]["id"] for h in hs] for q, hs in zip(questions, search(load_index(index_dir), questions, 3))
+    }
+    before = health(server)
+
+    def client(i):
+        qs = questions[i::8]
+        return qs, http_retrieve(server, qs, 3)
+
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            for qs, hits in pool.map(client, range(8)):
+                assert [[h["document"]["id"] for h in hs] for hs in hits] == [expected[q] for q in qs]
+    after = health(server)
+    requests, batches = after["requests"] - before["requests"], after["batches"] - before["batches"]
+    assert requests == 24 and batches < requests  # waiting requests were merged into one search call
+
+
+def test_web_search_and_read_endpoints(server, search_world):
+    world = search_world[0]
+    person = world.questions["val"][0]["metadata"]["person"]
+    status, body = post(server, {"query": f"{person} born site:tinypedia.org", "topk": 3}, "/search")
+    assert status == 200 and body["error"] is None and {r["domain"] for r in body["results"]} == {"tinypedia.org"}
+    status, doc = post(server, {"id": body["results"][0]["id"], "max_tokens": 3}, "/read")
+    assert status == 200 and doc["truncated"] and doc["text"].startswith(person)
+    status, body = post(server, {"query": "site:tinypedia.org"}, "/search")
+    assert status == 200 and "only operators" in body["error"]
+    assert post(server, {"id": "", "max_tokens": 3}, "/read")[0] == 422
+    assert post(server, {"id": "p1", "max_tokens": 0}, "/read")[0] == 422
+
+
+def test_client_retries_then_fails_clearly_when_nothing_listens():
+    url = f"http://127.0.0.1:{free_port()}"
+    t = time.time()
+    with pytest.raises(RetrieverError, match=r"failed after 3 attempts; last error: URLError"):
+        http_retrieve(url, ["born"], 3, timeout=1, retries=2, backoff=0.2)
+    assert time.time() - t >= 0.2 + 0.4  # backoff 0.2 s, then 0.4 s
+
+
+def test_client_times_out_on_a_server_that_never_answers():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)  # accepts connections, never replies
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    t = time.time()
+    with pytest.raises(RetrieverError, match="failed after 2 attempts; last error: .*timed out"):
+        http_retrieve(url, ["born"], 3, timeout=0.5, retries=1, backoff=0.1)
+    assert 1.0 <= time.time() - t < 10
+    sock.close()
+
+
+def test_client_does_not_retry_a_refused_request(server):
+    t = time.time()
+    with pytest.raises(RetrieverError, match="refused the request: HTTP 422 .*topk must be"):
+        http_retrieve(server, ["born"], 0, retries=5, backoff=2.0)
+    assert time.time() - t < 2.0
+    assert http_retrieve(server, ["", "born"], 2)[0] == []  # empty queries answered locally, no hits
+
+
+def test_open_search_over_http_equals_in_process(server, search_world):
+    world, corpus, index_dir = search_world
+    questions = [q["question"] for q in world.questions["val"][:10]]
+    remote = open_search(RetrieverConfig(url=server), corpus)(questions, 3)
+    local = open_search(RetrieverConfig(index=str(index_dir)), corpus)(questions, 3)
+    assert [[h["document"] for h in hs] for hs in remote] == [[h["document"] for h in hs] for hs in local]
+
+
+def test_rollouts_see_the_same_observations_over_http(vllm_engine, micro):
+    """The rollout loop with retriever.url set: same greedy records as with the in-process index."""
+    from engine import load_tokenizer
+    from rollout import rollout_batch
+    from train import load_questions, make_search_fn
+
+    _, cfg, policy, world = micro
+    tokenizer = load_tokenizer(policy)
+    questions = load_questions(world / "val.jsonl")[:8]
+
+    local = rollout_batch(vllm_engine, tokenizer, questions, 1, make_search_fn(cfg, world / "corpus.jsonl", {}),
+                          cfg.rollout, greedy=True)  # fmt: skip
+    proc, url = start_server(world / "index-bm25")
+    try:
+        cfg.retriever.url = url
+        remote = rollout_batch(vllm_engine, tokenizer, questions, 1, make_search_fn(cfg, world / "corpus.jsonl", {}),
+                               cfg.rollout, greedy=True)  # fmt: skip
+    finally:
+        cfg.retriever.url = ""
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert sum(r["num_searches"] for r in local) > 0
+    assert [r["response_ids"] for r in remote] == [r["response_ids"] for r in local]
+    assert [r["loss_mask"] for r in remote] == [r["loss_mask"] for r in local]
+
+
+def test_server_bound_to_loopback_is_not_reachable_on_other_addresses(search_world):
+    """Default bind is 127.0.0.1: the port is open there and closed on the machine's other address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # UDP: picks the outgoing interface, sends nothing
+            other = s.getsockname()[0]
+        except OSError:
+            other = "127.0.0.1"
+    if other.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    proc, url = start_server(search_world[2])
+    wide, wide_url = start_server(search_world[2], "--host", "0.0.0.0")
+    try:
+        with pytest.raises(OSError):
+            socket.create_connection((other, int(url.rsplit(":", 1)[1])), timeout=2).close()
+        socket.create_connection((other, int(wide_url.rsplit(":", 1)[1])), timeout=2).close()  # the check can fail
+    finally:
+        wide.terminate()
+        assert "warning: binding 0.0.0.0" in wide.communicate(timeout=30)[0]
+        proc.terminate()
+        proc.wait(timeout=30)
