@@ -136,10 +136,13 @@ class TrainConfig:
     adv_eps: float = 1e-6
     mask_retrieved: bool = True  # Search-R1's retrieved-token loss mask; False = its ablation
     micro_batch_tokens: int = 8192  # padded tokens per forward/backward (similar lengths packed)
-    reward: str = "em"  # a key of rewards.REWARDS
+    # a rewards.REWARDS name, a weighted sum ("0.9*em + 0.1*think_answer"), or "module:function"
+    # for a reward defined outside this repo (README "Fork recipe")
+    reward: str = "em"
+    reward_params: dict = field(default_factory=dict)  # e.g. {lam: 0.1, zeta: 5}; see rewards.py
     threads: int = 2  # torch CPU threads for the trainer
     eval_every: int = 10
-    save_every: int = 10
+    save_every: int = 10  # checkpoint every N steps (0: only at the end)
     samples_per_step: int = 4  # trajectories written to samples/ each step
     run_dir: str = "runs"
     name: str = "tiny"
@@ -178,6 +181,9 @@ def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
             raise ConfigError(f"config key '{prefix}{head}' is a section; give it a mapping")
         for key, sub in value.items():
             _set(current, str(key), sub, prefix + head + ".")
+        return
+    if rest and isinstance(current, dict):  # a free-form mapping such as train.reward_params
+        current[rest] = value
         return
     if rest:
         raise ConfigError(f"config key '{prefix}{head}' has no sub-key '{rest}'")

@@ -1,29 +1,80 @@
-"""Rewards: rollout record -> reward components -> one scalar per rollout.
+"""Rewards of the five papers: rollout record -> named components -> one scalar per rollout.
 
-Search-R1 (paper §3.3, the outcome reward): r = EM(answer, golden) in {0, 1}, with SQuAD's
-answer normalisation (lower-case, drop punctuation and the articles a/an/the, squeeze spaces).
-The answer is the LAST `<answer>` block of the policy's own text: never the prompt (whose
-example "<answer> Paris </answer>" would otherwise score), never a retrieved passage.
+Every reward reads the rollout's *response* (policy text plus tool outputs, never the prompt,
+whose example "<answer> Paris </answer>" would otherwise score; DESIGN.md §7) through one parser,
+`parse_response`, and returns a dict of components with a "reward" key. Malformed text never
+raises: it is a format failure. A new reward is one function plus one line in REWARDS.
 
-    >>> exact_match("the Velor.", ["Velor"])
-    1.0
-    >>> f1_score("city of Velor", ["Velor"])
-    0.5
-    >>> search_r1_em({"answer": "Velor", "golden_answers": ["velor"], "finish": "answer"})
+    >>> search_r1_em({"response": "<think>x</think><answer> the Velor. </answer>", "golden_answers": ["Velor"]})
     {'em': 1.0, 'f1': 1.0, 'format_ok': 1.0, 'reward': 1.0}
 
-Malformed model output (unclosed or nested tags, no answer, a huge query) never raises: it is
-a format failure with reward 0. A new reward is one function `record -> dict of components
-with a "reward" key` and one line in REWARDS.
+The table (`REWARDS`), by paper, with the equation each implements:
+
+  search_r1_em       Search-R1 §3.4: EM of the final answer, SQuAD normalisation
+  search_r1_subem    substring EM (released code's `subem_check`)
+  search_r1_format   format-aware EM (released code `qa_em_format.py`; follow-up study 2505.15117):
+                     EM & valid -> 1; EM & invalid -> 1 - lambda_f; wrong/none & valid -> lambda_f
+                     (+ lambda_r if a gold answer is in a retrieved block); wrong & invalid ->
+                     final_format (0.1); no answer & invalid -> 0
+  deliberative       Deliberative Searcher eq. 5-6: r_format * (0.1 r_format + 0.9 r_acc +
+                     lambda r_reliab), r_reliab = (acc and c >= zeta) or (not acc and c < zeta)
+  webfilter          WebFilter eq. 6-8: -1 bad format; f = 0.4 z + 0.2 c + 0.4 R_f1 if non-zero;
+                     else 0.1 if a query used an advanced operator (R_src, eq. 2-4); else 0
+  bapo               BAPO eq. 3, 5, 6 (group-level): R_correct = char-F1 if valid format else -1;
+                     R_IDK = 0.5 [IDK] if no rollout of the group has R_correct > 0, gated by the
+                     adaptive modulator (§4.2)
+  veritas            VERITAS eq. 1: 0.9 EM + 0.05 info-think + 0.02 think-answer
+  and the components on their own: em, subem, f1, char_f1, format, idk, confidence,
+  reliability, source_restricting, think_answer, info_think, think_search.
+
+Composition: a config names a reward ("deliberative") or a weighted sum of table entries
+("0.9*em + 0.1*think_answer"); parameters go in `train.reward_params`. Offline audit:
+
+    python rewards.py --reward bapo --input rollouts.jsonl --output scores.jsonl
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import json
+import math
 import re
 import string
+import sys
 from collections import Counter
+from dataclasses import dataclass, field
 
-_BLOCK = re.compile(r"<(think|search|information|answer)>(.*?)</\1>", re.S)
+# --------------------------------------------------------------------------------------------
+# Parsing: one pass over the response text, shared by every reward.
+
+ACTIONS = ("search", "tool_call", "read")  # what the policy may call
+OBSERVATIONS = ("information", "result", "tool_response")  # what the tools write back
+TAG_NAMES = ("think", "answer", "confidence", *ACTIONS, *OBSERVATIONS)
+_BLOCK = re.compile(r"<(" + "|".join(TAG_NAMES) + r")>(.*?)</\1>", re.S)
+_ANY_TAG = re.compile(r"</?(" + "|".join(TAG_NAMES) + r")>")
+# BAPO §3.2 asks for \boxed{I DON'T KNOW}; WebFilter's released prompt abstains with
+# "Insufficient information to proceed safely." Compared after SQuAD normalisation.
+IDK_ANSWERS = {"i dont know", "i do not know", "idk", "insufficient information to proceed safely"}
+
+
+@dataclass
+class Parsed:
+    blocks: list[tuple[str, str]]  # (tag or "text", content) in order
+    answer: str | None = None  # last <answer> block; the inside of \boxed{} if present
+    confidence: int | None = None  # last <confidence> block, an integer 1..10
+    queries: list[str] = field(default_factory=list)  # <search> blocks and tool_call queries
+    structure_ok: bool = False  # think -> (action -> observation -> think)* -> [confidence] answer
+    tags_balanced: bool = False  # every opening tag has its closing tag, nothing nested
+    bad_tool_calls: int = 0  # <tool_call> blocks that are not {"name", "arguments": {...}} JSON
+
+    @property
+    def idk(self) -> bool:
+        return self.answer is not None and normalize_answer(self.answer) in IDK_ANSWERS
+
+    @property
+    def format_ok(self) -> bool:
+        return self.structure_ok and self.tags_balanced and self.bad_tool_calls == 0 and self.answer is not None
 
 
 def split_segments(text: str, policy: bool) -> list[dict]:
@@ -53,12 +104,122 @@ def last_block(text: str, tag: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+def unbox(text: str) -> str:
+    r"""The inside of the last \boxed{...} (braces may nest), else the text itself.
+
+    >>> unbox(r"The final answer is \boxed{I DON'T KNOW}")
+    "I DON'T KNOW"
+    """
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return text.strip()
+    depth, i = 1, start + 7
+    while i < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[start + 7 : i - 1].strip() if depth == 0 else text.strip()
+
+
+def tool_call_queries(body: str) -> list[str] | None:
+    """Queries of one JSON tool call; `arguments.query` may be a string or a list of strings.
+    None when the block is not a well-formed call (not JSON, not an object, no arguments)."""
+    try:
+        call = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
+        return None
+    q = call["arguments"].get("query", call["arguments"].get("queries"))
+    if isinstance(q, str):
+        return [q]
+    if isinstance(q, list) and all(isinstance(x, str) for x in q):
+        return list(q)
+    return None
+
+
+def _structure_ok(blocks: list[tuple[str, str]]) -> bool:
+    """think -> (action -> observation -> think)* -> [confidence] -> answer, only whitespace between.
+
+    Search-R1's `is_valid_sequence` with the action and observation tags widened to the other
+    papers' (tool_call / read, result / tool_response) and Deliberative Searcher's confidence.
+    """
+    kinds = [k for k, _ in blocks]
+    if not kinds or "text" in kinds or kinds[0] != "think":
+        return False
+    i = 1
+    while i < len(kinds) and kinds[i] in ACTIONS:
+        if i + 2 >= len(kinds) or kinds[i + 1] not in OBSERVATIONS or kinds[i + 2] != "think":
+            return False
+        i += 3
+    return kinds[i:] in (["answer"], ["confidence", "answer"], ["answer", "confidence"])
+
+
+def parse_response(text: str) -> Parsed:
+    """Blocks, final answer, confidence, queries and format flags of one response.
+
+    >>> p = parse_response("<think>a</think><search> P born </search><information>Doc 1 ..."
+    ...                    "</information><think>b</think><answer> \\\\boxed{Velor} </answer>")
+    >>> p.answer, p.queries, p.format_ok
+    ('Velor', ['P born'], True)
+    """
+    if not isinstance(text, str):
+        text = ""
+    blocks: list[tuple[str, str]] = []
+    pos = 0
+    for m in _BLOCK.finditer(text):
+        if text[pos : m.start()].strip():
+            blocks.append(("text", text[pos : m.start()]))
+        blocks.append((m.group(1), m.group(2)))
+        pos = m.end()
+    if text[pos:].strip():
+        blocks.append(("text", text[pos:]))
+    p = Parsed(blocks)
+    inner = [b for k, b in blocks if k not in OBSERVATIONS]  # nothing a tool wrote counts as ours
+    p.tags_balanced = all(not _ANY_TAG.search(b) for b in inner) and all(
+        not _ANY_TAG.search(b) for k, b in blocks if k == "text"
+    )
+    answers = [b for k, b in blocks if k == "answer"]
+    if answers:
+        p.answer = unbox(answers[-1])
+    confidences = [b.strip() for k, b in blocks if k == "confidence"]
+    if confidences and re.fullmatch(r"\d{1,2}", confidences[-1]) and 1 <= int(confidences[-1]) <= 10:
+        p.confidence = int(confidences[-1])
+    for k, b in blocks:
+        if k == "search" and b.strip():
+            p.queries.append(b.strip())
+        elif k == "tool_call":
+            qs = tool_call_queries(b)
+            if qs is None:
+                p.bad_tool_calls += 1
+            else:
+                p.queries += qs
+    p.structure_ok = _structure_ok(blocks)
+    return p
+
+
+def parsed(record: dict) -> Parsed:
+    """The record's parse, cached on the record (several components read it)."""
+    if "_parsed" not in record:
+        text = record.get("response", record.get("response_text", ""))
+        record["_parsed"] = parse_response(text if isinstance(text, str) else "")
+    return record["_parsed"]
+
+
+# --------------------------------------------------------------------------------------------
+# Answer metrics.
+
+_PUNCT = set(string.punctuation)
+
+
 def normalize_answer(s: str) -> str:
     """SQuAD v1.1's normalisation: lower, no punctuation, no articles, single spaces."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+
+def _golden(record: dict) -> list[str]:
+    g = record.get("golden_answers") or []
+    return [x for x in (g if isinstance(g, list) else [g]) if isinstance(x, str)]
 
 
 def exact_match(prediction: str | None, golden: list[str]) -> float:
@@ -76,42 +237,495 @@ def substring_match(prediction: str | None, golden: list[str]) -> float:
     return float(any(normalize_answer(g) in p for g in golden if normalize_answer(g)))
 
 
+def _f1(pred: list[str], gold: list[str]) -> float:
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
 def f1_score(prediction: str | None, golden: list[str]) -> float:
-    """Best word-level F1 against any golden answer (SQuAD)."""
+    """Best word-level F1 against any golden answer (SQuAD; WebFilter eq. 7: 2 IN / (PN + RN)).
+
+    >>> f1_score("city of Velor", ["Velor"])
+    0.5
+    """
     if prediction is None:
         return 0.0
     pred = normalize_answer(prediction).split()
-    best = 0.0
-    for g in golden:
-        gold = normalize_answer(g).split()
-        common = sum((Counter(pred) & Counter(gold)).values())
-        if common:
-            precision, recall = common / len(pred), common / len(gold)
-            best = max(best, 2 * precision * recall / (precision + recall))
-    return best
+    return max((_f1(pred, normalize_answer(g).split()) for g in golden), default=0.0)
 
 
-def search_r1_em(record: dict) -> dict:
-    """Search-R1 outcome reward: EM of the final answer; 0 when the rollout never answered."""
-    answer = record.get("answer")
-    golden = record.get("golden_answers") or []
-    ok = float(record.get("finish") == "answer" and answer is not None)
-    em = exact_match(answer, golden) if ok else 0.0
-    return {"em": em, "f1": f1_score(answer, golden) if ok else 0.0, "format_ok": ok, "reward": em}
+def char_f1(prediction: str | None, golden: list[str]) -> float:
+    """Best character-level F1 (BAPO §2.2: "character-level F1 score between two strings"):
+    bags of the characters of the normalised strings, spaces dropped.
 
+    >>> round(char_f1("Velor", ["Velot"]), 2)
+    0.8
+    """
+    if prediction is None:
+        return 0.0
+    pred = list(normalize_answer(prediction).replace(" ", ""))
+    return max((_f1(pred, list(normalize_answer(g).replace(" ", ""))) for g in golden), default=0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Components (each one a reward on its own) and the papers' rewards.
+
+
+def subem(record: dict, **_) -> dict:
+    return {"reward": substring_match(parsed(record).answer, _golden(record))}
+
+
+def f1(record: dict, **_) -> dict:
+    return {"reward": f1_score(parsed(record).answer, _golden(record))}
+
+
+def char_f1_reward(record: dict, **_) -> dict:
+    return {"reward": char_f1(parsed(record).answer, _golden(record))}
+
+
+def format_reward(record: dict, **_) -> dict:
+    return {"reward": float(parsed(record).format_ok)}
+
+
+def idk(record: dict, **_) -> dict:
+    return {"reward": float(parsed(record).idk)}
+
+
+def confidence(record: dict, **_) -> dict:
+    """The stated confidence scaled to [0, 1] (0 when absent)."""
+    c = parsed(record).confidence
+    return {"reward": (c or 0) / 10}
+
+
+def search_r1_em(record: dict, **_) -> dict:
+    """Search-R1 outcome reward (§3.4): EM of the last answer block; 0 without one."""
+    p, golden = parsed(record), _golden(record)
+    ok = float(p.answer is not None)
+    e = exact_match(p.answer, golden)
+    return {"em": e, "f1": f1_score(p.answer, golden), "format_ok": ok, "reward": e}
+
+
+def search_r1_subem(record: dict, **_) -> dict:
+    p = parsed(record)
+    s = substring_match(p.answer, _golden(record))
+    return {"subem": s, "em": exact_match(p.answer, _golden(record)), "reward": s}
+
+
+def retrieval_hit(record: dict) -> bool:
+    """A normalised golden answer occurs in some retrieved block (Search-R1's retrieval score)."""
+    golden = [normalize_answer(g) for g in _golden(record) if normalize_answer(g)]
+    return any(g in normalize_answer(b) for k, b in parsed(record).blocks if k in OBSERVATIONS for g in golden)
+
+
+def search_r1_format(record: dict, lambda_f: float = 0.2, lambda_r: float = 0.0, final_format: float = 0.1,
+                     **_) -> dict:  # fmt: skip
+    """Format-aware EM; defaults are the released v0.3 scripts' (0.2 / 0 / 0.1)."""
+    p = parsed(record)
+    valid = p.structure_ok and p.tags_balanced
+    e = exact_match(p.answer, _golden(record))
+    hit = valid and retrieval_hit(record)
+    if e:
+        r = 1.0 if valid else 1.0 - lambda_f
+    elif valid:
+        r = lambda_f + (lambda_r if hit else 0.0)
+    else:
+        r = final_format if p.answer is not None else 0.0
+    return {"em": e, "structure_ok": float(valid), "retrieval_hit": float(hit), "reward": r}
+
+
+def reliability(record: dict, zeta: float = 5, acc: float | None = None, **_) -> dict:
+    """Deliberative Searcher eq. 5: confident and right, or unsure and wrong. No confidence: 0."""
+    c = parsed(record).confidence
+    a = exact_match(parsed(record).answer, _golden(record)) if acc is None else acc
+    r = 0.0 if c is None else float((a >= 1 and c >= zeta) or (a < 1 and c < zeta))
+    return {"reward": r}
+
+
+def deliberative(record: dict, lam: float = 0.0, zeta: float = 5, acc_metric: str = "em", judge=None, **_) -> dict:
+    """Deliberative Searcher eq. 6: r_format (0.1 r_format + 0.9 r_acc + lambda r_reliab).
+
+    lambda comes from the trainer's dual update (0 during the warm-up quarter). r_acc is EM,
+    F1 >= 0.5, or a judge's verdict (the paper uses a frozen LLM verifier) by `acc_metric`.
+    The format requires a confidence 1..10 besides the structure.
+    """
+    p, golden = parsed(record), _golden(record)
+    r_format = float(p.format_ok and p.confidence is not None)
+    if acc_metric == "judge":
+        r_acc = answer_verdict(record, judge)
+    elif acc_metric == "f1":
+        r_acc = float(f1_score(p.answer, golden) >= 0.5)
+    else:
+        r_acc = exact_match(p.answer, golden)
+    r_rel = reliability(record, zeta, r_acc)["reward"]
+    final = r_format * (0.1 * r_format + 0.9 * r_acc + lam * r_rel)
+    return {"format": r_format, "acc": r_acc, "reliability": r_rel, "confidence": float(p.confidence or 0),
+            "lambda": lam, "reward": final}  # fmt: skip
+
+
+# WebFilter R_src (eq. 2-4): the advanced operators, matched on the raw query, case-sensitive:
+# AND / OR / NOT only in upper case (a lower-cased "and" is a word), `-term` only at a word start.
+SOURCE_OPERATORS = re.compile(r'(?:^|\s)-?(?:site|before|after):\S|"[^"]+"|\b(?:AND|OR|NOT)\b|(?:^|\s)-\w')
+
+
+def source_restricting(record: dict, **_) -> dict:
+    """1 if any extracted query uses an advanced operator (WebFilter R_src)."""
+    return {"reward": float(any(SOURCE_OPERATORS.search(q) for q in parsed(record).queries))}
+
+
+def webfilter(record: dict, alpha: float = 0.4, beta: float = 0.2, judge=None, **_) -> dict:
+    """WebFilter eq. 6-8. z (answer correct) and c (the operators helped) come from the judge;
+    without one, z = EM and c = 0, and the components say so ("judged": 0)."""
+    p, golden = parsed(record), _golden(record)
+    src = source_restricting(record)["reward"]
+    r_f1 = f1_score(p.answer, golden)
+    if not p.format_ok:
+        return {"format": 0.0, "src": src, "f1": r_f1, "z": 0.0, "c": 0.0, "judged": 0.0, "reward": -1.0}
+    if judge is not None:
+        z, c, judged = answer_verdict(record, judge), syntax_verdict(record, judge), 1.0
+    else:
+        z, c, judged = exact_match(p.answer, golden), 0.0, 0.0
+    agg = alpha * z + beta * c + (1 - alpha - beta) * r_f1
+    reward = agg if agg != 0 else (0.1 if src else 0.0)
+    return {"format": 1.0, "src": src, "f1": r_f1, "z": z, "c": c, "judged": judged, "reward": reward}
+
+
+def think_answer(record: dict, **_) -> dict:
+    """VERITAS think-answer faithfulness: the answer's normalised text occurs in the last
+    think block before the answer (§3.2). 0 without an answer or a think block."""
+    p = parsed(record)
+    if p.answer is None or not normalize_answer(p.answer):
+        return {"reward": 0.0}
+    thinks = []
+    for k, b in p.blocks:
+        if k == "answer":
+            break
+        if k == "think":
+            thinks.append(b)
+    hit = bool(thinks) and normalize_answer(p.answer) in normalize_answer(thinks[-1])
+    return {"reward": float(hit)}
+
+
+def info_think(record: dict, judge=None, **_) -> dict:
+    """VERITAS info-think faithfulness: mean judge verdict over (information, next think)
+    pairs. 0 when the rollout never searched (the paper is silent; 1 would pay for not
+    searching) and 0 without a judge ("pairs" says how many there were)."""
+    pairs = _pairs(parsed(record).blocks, OBSERVATIONS, "think")
+    if not pairs:
+        return {"reward": 0.0, "pairs": 0}
+    if judge is None:
+        return {"reward": 0.0, "pairs": len(pairs)}
+    verdicts = judge.verdicts([judge.prompt("info_think", info=i, think=t) for i, t in pairs])
+    return {"reward": sum(verdicts) / len(verdicts), "pairs": len(pairs)}
+
+
+def think_search(record: dict, judge=None, **_) -> dict:
+    """VERITAS think-search faithfulness (an evaluation metric): does each query follow from the
+    think block before it? Mean judge verdict; 0 without searches or without a judge (average
+    it over rollouts with pairs > 0)."""
+    pairs = _pairs(parsed(record).blocks, ("think",), ACTIONS)
+    if not pairs:
+        return {"reward": 0.0, "pairs": 0}
+    if judge is None:
+        return {"reward": 0.0, "pairs": len(pairs)}
+    verdicts = judge.verdicts([judge.prompt("think_search", think=t, search=s) for t, s in pairs])
+    return {"reward": sum(verdicts) / len(verdicts), "pairs": len(pairs)}
+
+
+def _pairs(blocks, first: tuple, second) -> list[tuple[str, str]]:
+    second = (second,) if isinstance(second, str) else second
+    return [(a, b) for (ka, a), (kb, b) in zip(blocks, blocks[1:]) if ka in first and kb in second]
+
+
+def veritas(record: dict, w_em: float = 0.9, w_info_think: float = 0.05, w_think_answer: float = 0.02,
+            judge=None, **_) -> dict:  # fmt: skip
+    """VERITAS eq. 1 (weights from §5.1)."""
+    e = exact_match(parsed(record).answer, _golden(record))
+    it = info_think(record, judge=judge)["reward"]
+    ta = think_answer(record)["reward"]
+    return {"em": e, "info_think": it, "think_answer": ta, "judged": float(judge is not None),
+            "reward": w_em * e + w_info_think * it + w_think_answer * ta}  # fmt: skip
+
+
+def answer_verdict(record: dict, judge) -> float:
+    """A judge's 0/1 on whether the final answer matches a golden answer (falls back to EM)."""
+    p = parsed(record)
+    if judge is None or p.answer is None:
+        return exact_match(p.answer, _golden(record))
+    prompt = judge.prompt("answer", question=record.get("question", ""), answer=p.answer, golden=_golden(record))
+    return judge.verdicts([prompt])[0]
+
+
+def syntax_verdict(record: dict, judge) -> float:
+    """WebFilter's c: did the advanced search syntax help retrieve the needed evidence?"""
+    p = parsed(record)
+    if not p.queries:
+        return 0.0
+    prompt = judge.prompt("syntax", question=record.get("question", ""), queries=p.queries,
+                          evidence=[b for k, b in p.blocks if k in OBSERVATIONS])  # fmt: skip
+    return judge.verdicts([prompt])[0]
+
+
+# --------------------------------------------------------------------------------------------
+# BAPO (group-level): boundary-aware reward, adaptive modulator, resampling.
+
+
+@dataclass
+class BapoState:
+    """The adaptive modulator's stage (§4.2), driven by the trainer's validation signal."""
+
+    stage: str = "exploration"  # -> "plateau" after `patience` evaluations without improvement
+    best: float = -math.inf
+    since_best: int = 0
+    patience: int = 5  # DESIGN §4: 5 evaluations (the paper: "e.g. 5 consecutive steps")
+
+    def update(self, val_score: float) -> str:
+        """Feed one validation score; returns the (possibly switched) stage."""
+        if val_score > self.best:
+            self.best, self.since_best = val_score, 0
+        else:
+            self.since_best += 1
+        if self.stage == "exploration" and self.since_best >= self.patience:
+            self.stage = "plateau"
+        return self.stage
+
+
+def bapo_correct(record: dict, **_) -> float:
+    """R_correct (eq. 3): char-F1 with a valid format, -1 otherwise. An IDK answer scores 0
+    (char-F1 of "I DON'T KNOW" against a name is usually > 0; the paper is silent)."""
+    p = parsed(record)
+    if not p.format_ok:
+        return -1.0
+    return 0.0 if p.idk else char_f1(p.answer, _golden(record))
+
+
+def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alpha: float = 0.05,
+         sample_level: bool = True, **_) -> list[dict]:  # fmt: skip
+    """BAPO eq. 5-6 for one group of G rollouts of the same question.
+
+    R_IDK = 0.5 [answer is IDK] when no rollout has R_correct > 0, and the modulator allows it:
+      exploration stage: only while the batch's IDK ratio (from the trainer) is below alpha;
+      plateau stage: always, except (sample level) for a question whose G rollouts give at
+      least G/2 distinct answers (the model is still exploring it).
+    """
+    correct = [bapo_correct(r) for r in group]
+    answers = [normalize_answer(parsed(r).answer or "") for r in group]
+    distinct = len(set(answers))
+    if stage == "exploration":
+        gate = idk_ratio < alpha
+    else:
+        gate = not (sample_level and distinct >= len(group) / 2)
+    none_correct = all(c <= 0 for c in correct)
+    out = []
+    for r, c in zip(group, correct):
+        r_idk = 0.5 * float(parsed(r).idk) if none_correct and gate else 0.0
+        out.append({"correct": c, "idk": float(parsed(r).idk), "idk_bonus": r_idk, "gate": float(gate),
+                    "distinct_answers": distinct, "reward": c + r_idk})  # fmt: skip
+    return out
+
+
+bapo.group = True
+
+
+def bapo_resample_groups(records: list[dict]) -> list[str]:
+    """Group ids to roll out again (BAPO §4.2, up to k = 2 more times, the trainer counts):
+    no rollout correct (R_correct > 0) and none said IDK."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(str(r.get("group_id")), []).append(r)
+    return [g for g, rs in groups.items() if all(bapo_correct(r) <= 0 and not parsed(r).idk for r in rs)]
+
+
+def reliability_metrics(records: list[dict]) -> dict:
+    """BAPO eq. 4, 7: acc = Nc/N, prec = Nc/(N - Nr), rho_IDK = Nr/N, with EM as correctness;
+    reliability = (1 - rho_IDK) prec + rho_IDK acc."""
+    n = len(records)
+    n_idk = sum(parsed(r).idk for r in records)
+    n_c = sum(exact_match(parsed(r).answer, _golden(r)) for r in records)
+    acc = n_c / n if n else 0.0
+    prec = n_c / (n - n_idk) if n > n_idk else 0.0
+    rho = n_idk / n if n else 0.0
+    return {"acc": acc, "prec": prec, "idk_rate": rho, "reliability": (1 - rho) * prec + rho * acc}
+
+
+# --------------------------------------------------------------------------------------------
+# The table, composition and scoring.
 
 REWARDS = {
+    # the papers' rewards
+    "search_r1_em": search_r1_em,
+    "search_r1_subem": search_r1_subem,
+    "search_r1_format": search_r1_format,
+    "deliberative": deliberative,
+    "webfilter": webfilter,
+    "bapo": bapo,
+    "veritas": veritas,
+    # components on their own ("em" is Search-R1's EM with its em / f1 / format_ok components)
     "em": search_r1_em,
+    "subem": subem,
+    "f1": f1,
+    "char_f1": char_f1_reward,
+    "format": format_reward,
+    "idk": idk,
+    "confidence": confidence,
+    "reliability": reliability,
+    "source_restricting": source_restricting,
+    "think_answer": think_answer,
+    "info_think": info_think,
+    "think_search": think_search,
 }
+# The documented range of each reward (property tests hold every reward to it). deliberative's
+# upper end grows with lambda: 1 + lambda.
+RANGES = {name: (0.0, 1.0) for name in REWARDS} | {
+    "deliberative": (0.0, math.inf), "webfilter": (-1.0, 1.0), "bapo": (-1.0, 1.5),
+}  # fmt: skip
 
 
-def score(records: list[dict], name: str = "em") -> list[dict]:
-    """Attach `reward` and `reward_components` to each record (in place) and return them."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
-    fn = REWARDS[name]
-    for r in records:
-        parts = fn(r)
-        r["reward"] = float(parts["reward"])
-        r["reward_components"] = parts
+def parse_spec(spec: str) -> list[tuple[float, str]]:
+    """'deliberative' -> [(1, 'deliberative')]; '0.9*em + 0.1*think_answer' -> two terms.
+
+    >>> parse_spec("0.9*em + 0.1 * think_answer")
+    [(0.9, 'em'), (0.1, 'think_answer')]
+    """
+    terms = []
+    for part in spec.replace("-", "+-").split("+"):
+        part = part.strip()
+        if not part:
+            continue
+        w, _, name = part.rpartition("*")
+        name = name.strip()
+        if name not in REWARDS and ":" in name:  # "my_module:my_reward", a reward kept outside this repo
+            module, _, fn = name.partition(":")
+            try:
+                REWARDS[name] = getattr(importlib.import_module(module), fn)
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"cannot load reward {name!r}: {e}") from None
+            RANGES.setdefault(name, (-math.inf, math.inf))
+        if name not in REWARDS:
+            raise ValueError(f"unknown reward {name!r} in {spec!r}; known: {', '.join(REWARDS)}")
+        terms.append((float(w) if w.strip() else 1.0, name))
+    if not terms:
+        raise ValueError("empty reward spec")
+    return terms
+
+
+def _group_by(records: list[dict]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        groups.setdefault(str(r.get("group_id", r.get("id", i))), []).append(i)
+    return groups
+
+
+def _finite(x) -> float:
+    x = float(x)
+    return x if math.isfinite(x) else 0.0
+
+
+def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None) -> list[dict]:
+    """Components and the scalar for each record (group rewards see their whole group).
+
+    Returns one dict per record: {"reward": float, "components": {"<term>": ..., ...}}. A
+    single-term spec reports that reward's own components; a sum reports each term's scalar.
+    """
+    params = dict(params or {})
+    terms = parse_spec(spec)
+    out = [{"reward": 0.0, "components": {}} for _ in records]
+    for w, name in terms:
+        fn = REWARDS[name]
+        if getattr(fn, "group", False):
+            parts = [None] * len(records)
+            for idx in _group_by(records).values():
+                for i, comp in zip(idx, fn([records[i] for i in idx], judge=judge, **params)):
+                    parts[i] = comp
+        else:
+            parts = [fn(r, judge=judge, **params) for r in records]
+        for o, comp in zip(out, parts):
+            value = _finite(comp["reward"])
+            o["reward"] += w * value
+            if len(terms) == 1:
+                o["components"] = {k: (_finite(v) if isinstance(v, (int, float)) else v) for k, v in comp.items()}
+            else:
+                o["components"][name] = value
+    return out
+
+
+def score(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None) -> list[dict]:
+    """Attach `reward` and `reward_components` to each rollout record (in place); return them."""
+    for r, s in zip(records, compute(records, spec, params, judge)):
+        r["reward"] = s["reward"]
+        r["reward_components"] = s["components"]
+        r.pop("_parsed", None)
     return records
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: offline audits of saved rollouts.
+
+CLI_HELP = """
+input  (jsonl, one rollout per line): {"id", "group_id", "question", "golden_answers": [..],
+       "response": the full generated text after the prompt, tool outputs included}
+       (train.py's samples/step_k.jsonl records work too: "response_text" is read if
+       "response" is absent)
+output (jsonl, one line per input line, same order): {"id", "reward", "components": {..}}
+Group-level rewards (bapo) group lines by "group_id". Parameters: --set name=value, e.g.
+--set lam=0.3 --set zeta=5 (deliberative), --set stage=exploration --set idk_ratio=0.02 (bapo).
+"""
+
+
+def _value(v: str):
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__ + CLI_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reward", required=True, help="a table name or a weighted sum, e.g. '0.9*em + 0.1*think_answer'")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="reward parameter (JSON value)")
+    ap.add_argument("--input", required=True, help="rollouts jsonl (schema above)")
+    ap.add_argument("--output", required=True, help="scores jsonl to write")
+    ap.add_argument("--judge-url", default="", help="OpenAI-compatible judge, e.g. http://127.0.0.1:8001/v1")
+    ap.add_argument("--judge-model", default="", help="model name on that server (or a local dir with --judge-hf)")
+    ap.add_argument("--judge-hf", action="store_true", help="run the judge in process with transformers")
+    ap.add_argument("--judge-on-failure", default="error", choices=["error", "zero"],
+                    help="when the judge fails after retries: stop, or score 0 and count it")  # fmt: skip
+    args = ap.parse_args(argv)
+    try:
+        params = {k: _value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    except ValueError:
+        sys.exit("error: --set needs NAME=VALUE")
+    try:
+        parse_spec(args.reward)
+        with open(args.input) as f:
+            records = []
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict):
+                        raise ValueError(f"{args.input}:{n}: not a JSON object")
+                    records.append(rec)
+    except FileNotFoundError:
+        sys.exit(f"error: input file not found: {args.input}")
+    except (ValueError, json.JSONDecodeError) as e:
+        sys.exit(f"error: {e}")
+    judge = None
+    if args.judge_url or args.judge_hf:
+        from judge import make_judge
+
+        judge = make_judge(
+            url=args.judge_url, model=args.judge_model, hf=args.judge_hf, on_failure=args.judge_on_failure
+        )
+    scores = compute(records, args.reward, params, judge)
+    with open(args.output, "w") as f:
+        for rec, s in zip(records, scores):
+            f.write(json.dumps({"id": rec.get("id"), **s}) + "\n")
+    mean = sum(s["reward"] for s in scores) / max(1, len(scores))
+    extra = f", judge failures {judge.failures}" if judge is not None else ""
+    print(f"scored {len(scores)} rollouts with {args.reward}: mean reward {mean:.4f}{extra} -> {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ One step, top to bottom (each line is a function below):
 
   1. rollout   G trajectories per question with the current policy (rollout.py), searching
                the corpus mid-thought; records keep token ids, loss mask and sampling logprobs
-  2. reward    r_i = EM(answer_i, golden) (rewards.py, Search-R1 §3.3)
+  2. reward    r_i = EM(answer_i, golden) (Search-R1 §3.4), or any `train.reward` of rewards.py
   3. advantage A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (GRPO, DESIGN.md §4),
                the same A_i for every token of rollout i; a group with equal rewards has A = 0
   4. loss      per policy token t (loss_mask = 1; retrieved tokens never count):
@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from config import Config, ConfigError, DataError, config_to_dict, load_config
 from engine import load_policy, load_tokenizer, make_engine
-from rewards import score
+from rewards import exact_match, score
 from rollout import rollout_batch
 from sft import pad_batch, token_budget_batches, token_logprobs
 
@@ -248,14 +248,20 @@ def log(run: Path, row: dict) -> None:
 
 
 def batch_metrics(records: list[dict]) -> dict:
+    """Batch means; EM and answered-rate whatever the reward, plus each numeric reward component
+    as `reward/<name>` (the reward's own parts, rewards.py)."""
     n = len(records)
-    return {
+    row = {
         "reward": sum(r["reward"] for r in records) / n,
-        "em": sum(r["reward_components"]["em"] for r in records) / n,
-        "format_ok": sum(r["reward_components"]["format_ok"] for r in records) / n,
+        "em": sum(exact_match(r["answer"], r["golden_answers"]) for r in records) / n,
+        "format_ok": sum(r["finish"] == "answer" for r in records) / n,
         "response_len": sum(sum(r["loss_mask"]) for r in records) / n,
         "searches_per_question": sum(r["num_searches"] for r in records) / n,
     }
+    for key, value in records[0]["reward_components"].items():
+        if isinstance(value, (int, float)) and key != "reward":
+            row[f"reward/{key}"] = sum(float(r["reward_components"].get(key, 0.0)) for r in records) / n
+    return row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +316,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         )  # fmt: skip
         t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
         t0 = time.time()
-        score(records, cfg.train.reward)
+        score(records, cfg.train.reward, cfg.train.reward_params)
         advantages = group_advantages(
             [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps
         )
@@ -335,7 +341,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             row["eval"] = ev
         log(run, row)
         bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
-        if (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.steps:
+        if (cfg.train.save_every > 0 and (step + 1) % cfg.train.save_every == 0) or step + 1 == cfg.train.steps:
             save_checkpoint(run, step + 1, model, tokenizer, optimizer)
     return ev
 

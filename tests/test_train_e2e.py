@@ -78,3 +78,27 @@ def test_empty_question_is_a_clear_error(micro, tmp_path):
     assert out.returncode != 0
     assert "empty question" in out.stderr and "train.jsonl:1" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_fork_recipe_trains(micro, tmp_path):
+    """The README's fork recipe, copied from the README as written, trains for two steps."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- fork-recipe -->")[1].split("<!-- /fork-recipe -->")[0]
+    code = block.split("```python")[1].split("```")[0]
+    (tmp_path / "my_reward.py").write_text(code)
+    cfg_path = write_micro_config(
+        tmp_path / "c.yaml", micro[1].world.cache_dir,
+        train={"steps": 2, "save_every": 0, "eval_every": 0, "run_dir": str(tmp_path / "runs"), "name": "fork"},
+    )  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", str(cfg_path), "--set", "train.reward=my_reward:short_em",
+         "--set", "train.reward_params.max_words=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = next((tmp_path / "runs").glob("fork-*"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
+    assert len(steps) == 2 and all(0.0 <= r["reward/short"] <= 1.0 for r in steps)
+    assert all(r["reward"] <= r["reward/em"] + 1e-9 for r in steps)  # short_em never exceeds EM

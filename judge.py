@@ -1,0 +1,242 @@
+"""LLM judge for the rewards that need one: one interface, two backends.
+
+    judge = make_judge(url="http://127.0.0.1:8001/v1", model="qwen3-30b-a3b")   # `vllm serve` on the box
+    judge = make_judge(model="/models/Qwen2.5-7B-Instruct", hf=True)             # in process, transformers
+    judge.verdicts([judge.prompt("info_think", info="Doc 1 ...", think="So it is Velor.")])   # [1.0]
+
+Used by WebFilter's retrieval-precision judge (z: answer correct, c: the operators helped; eq. 5),
+VERITAS's info-think and think-search faithfulness (§3.2-3.3), and Deliberative Searcher's
+verifier for r_acc (§2.2). The prompts are ours, written after the papers' intent; each asks for a
+bare 1 or 0, and the first 1/0 (or yes/no) in the reply is the verdict.
+
+The HTTP backend speaks the OpenAI-compatible API (`/completions`, or `/chat/completions` with
+api="chat") with a per-request timeout, retries with exponential backoff (capped at 30 s) on
+connection errors, timeouts and 5xx, bounded concurrency, and an on-disk cache keyed by model and
+prompt (sqlite). When a prompt still fails, `on_failure` decides: "error" raises JudgeError,
+"zero" scores 0 and counts it in `judge.failures`. Failures are never silent: they are counted,
+and the first message of each kind is printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sqlite3
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPTS = {
+    "answer": (
+        "You check answers to questions.\nQuestion: {question}\nReference answers: {golden}\n"
+        "Candidate answer: {answer}\nDoes the candidate answer mean the same thing as one of the "
+        "reference answers? Reply with 1 for yes or 0 for no, and nothing else.\nVerdict:"
+    ),
+    "syntax": (
+        "An agent answered a question by searching the web.\nQuestion: {question}\nIts queries: "
+        "{queries}\nWhat came back: {evidence}\nDid the search operators in its queries (site:, "
+        "quoted phrases, AND / OR / NOT, before: / after:, exclusions) help it find evidence the "
+        "question needs? Reply with 1 for yes or 0 for no, and nothing else.\nVerdict:"
+    ),
+    "info_think": (
+        "Retrieved text: {info}\nThe agent's reasoning right after reading it: {think}\nDoes the "
+        "reasoning take the retrieved text into account (use it, or say why it does not help)? "
+        "Reply with 1 for yes or 0 for no, and nothing else.\nVerdict:"
+    ),
+    "think_search": (
+        "The agent's reasoning: {think}\nThe search query it wrote next: {search}\nDoes the query "
+        "follow from the reasoning? Reply with 1 for yes or 0 for no, and nothing else.\nVerdict:"
+    ),
+}
+_VERDICT = re.compile(r"\b(1|0|yes|no)\b", re.I)
+MAX_FIELD_CHARS = 4000  # each filled-in field is cut to this, so a runaway rollout cannot blow the context
+
+
+class JudgeError(RuntimeError):
+    """The judge could not give a verdict and on_failure is "error"."""
+
+
+def parse_verdict(text: str) -> float | None:
+    """'1' / 'Yes.' -> 1.0, '0' / 'no' -> 0.0, anything else -> None."""
+    m = _VERDICT.search(text or "")
+    return None if m is None else float(m.group(1).lower() in ("1", "yes"))
+
+
+@dataclass
+class Judge:
+    model: str
+    url: str = ""  # OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1; empty: transformers
+    api: str = "completions"  # or "chat"
+    timeout: float = 60.0
+    retries: int = 4
+    backoff: float = 1.0
+    concurrency: int = 8
+    on_failure: str = "error"  # "error" | "zero"
+    max_tokens: int = 8
+    # constrain the reply to "0" / "1": vLLM's structured outputs over HTTP, the next-token logits
+    # of "1" against "0" in process. Any model then gives a verdict, never a parse failure.
+    constrain: bool = True
+    cache_path: str = ""  # sqlite file; empty: no cache
+    failures: int = 0
+    retried: int = 0
+    calls: int = 0
+    cache_hits: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _db: object = field(default=None, repr=False)
+    _hf: object = field(default=None, repr=False)
+    _said: set = field(default_factory=set, repr=False)
+
+    def prompt(self, kind: str, **fields) -> str:
+        def fill(v):
+            v = "; ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+            return v[:MAX_FIELD_CHARS]
+
+        return PROMPTS[kind].format(**{k: fill(v) for k, v in fields.items()})
+
+    def verdicts(self, prompts: list[str]) -> list[float]:
+        """One 0/1 verdict per prompt (cached ones first, the rest concurrently)."""
+        out: list[float | None] = [self._cached(p) for p in prompts]
+        todo = [i for i, v in enumerate(out) if v is None]
+        if todo and self.url:
+            with ThreadPoolExecutor(max(1, self.concurrency)) as pool:
+                for i, v in zip(todo, pool.map(lambda i: self._http_verdict(prompts[i]), todo)):
+                    out[i] = v
+        elif todo:
+            for i, v in zip(todo, self._hf_verdicts([prompts[i] for i in todo])):
+                out[i] = v
+        return [float(v) for v in out]
+
+    # -- failures -------------------------------------------------------------------------
+    def _fail(self, why: str) -> float:
+        with self._lock:
+            self.failures += 1
+            kind = why.split(":")[0]
+            if kind not in self._said:
+                self._said.add(kind)
+                print(f"judge failure ({self.on_failure}): {why}", flush=True)
+        if self.on_failure == "error":
+            raise JudgeError(f"judge {self.url or self.model}: {why}")
+        return 0.0
+
+    # -- cache ----------------------------------------------------------------------------
+    def _key(self, prompt: str) -> str:
+        return hashlib.sha256(f"{self.model}\x00{self.api}\x00{prompt}".encode()).hexdigest()
+
+    def _cached(self, prompt: str) -> float | None:
+        if not self.cache_path:
+            return None
+        with self._lock:
+            if self._db is None:
+                Path(self.cache_path).parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(self.cache_path, check_same_thread=False)
+                self._db.execute("CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, reply TEXT)")
+            row = self._db.execute("SELECT reply FROM verdicts WHERE key = ?", (self._key(prompt),)).fetchone()
+        if row is None:
+            return None
+        self.cache_hits += 1
+        return parse_verdict(row[0])
+
+    def _store(self, prompt: str, reply: str) -> None:
+        if self.cache_path and self._db is not None:
+            with self._lock:
+                self._db.execute("INSERT OR REPLACE INTO verdicts VALUES (?, ?)", (self._key(prompt), reply))
+                self._db.commit()
+
+    # -- backends -------------------------------------------------------------------------
+    def _http_verdict(self, prompt: str) -> float:
+        chat = self.api == "chat"
+        body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0}
+        body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+        if self.constrain:
+            body["structured_outputs"] = {"choice": ["0", "1"]}  # vLLM >= 0.11's guided choice
+        endpoint = self.url.rstrip("/") + ("/chat/completions" if chat else "/completions")
+        data = json.dumps(body).encode()
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                with self._lock:
+                    self.retried += 1
+                time.sleep(min(30.0, self.backoff * 2 ** (attempt - 1)))
+            with self._lock:
+                self.calls += 1
+            try:
+                req = urllib.request.Request(endpoint, data, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    choice = json.loads(resp.read())["choices"][0]
+                reply = choice["message"]["content"] if chat else choice["text"]
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}: {e.read().decode(errors='replace')[:200]}"
+                if 400 <= e.code < 500:
+                    return self._fail(f"refused: {last}")
+                continue
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                continue
+            except (KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
+                return self._fail(f"malformed reply: {e!r}")
+            verdict = parse_verdict(reply)
+            if verdict is None:
+                return self._fail(f"no verdict: reply {reply[:80]!r}")
+            self._store(prompt, reply)
+            return verdict
+        return self._fail(f"unreachable: {self.retries + 1} attempts, last error {last}")
+
+    def _hf_verdicts(self, prompts: list[str]) -> list[float]:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if self._hf is None:
+            if not Path(self.model).is_dir():
+                raise FileNotFoundError(f"judge model directory not found: {self.model}")
+            tok = AutoTokenizer.from_pretrained(self.model)
+            tok.padding_side = "left"
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            self._hf = (tok, AutoModelForCausalLM.from_pretrained(self.model).eval())
+        tok, model = self._hf
+        texts = prompts
+        if self.api == "chat" and tok.chat_template:
+            texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                             add_generation_prompt=True) for p in prompts]  # fmt: skip
+        out = []
+        one, zero = tok.encode("1", add_special_tokens=False), tok.encode("0", add_special_tokens=False)
+        for s in range(0, len(texts), 16):
+            batch = tok(texts[s : s + 16], return_tensors="pt", padding=True)
+            if self.constrain and len(one) == len(zero) == 1:
+                positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding
+                with torch.inference_mode():
+                    last = model(**batch, position_ids=positions).logits[:, -1].float()
+                for p, row in zip(prompts[s : s + 16], last):
+                    self.calls += 1
+                    verdict = float(row[one[0]] > row[zero[0]])
+                    self._store(p, str(int(verdict)))
+                    out.append(verdict)
+                continue
+            with torch.inference_mode():
+                gen = model.generate(
+                    **batch, max_new_tokens=self.max_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+                )
+            for p, row in zip(prompts[s : s + 16], gen[:, batch["input_ids"].shape[1] :]):
+                self.calls += 1
+                reply = tok.decode(row, skip_special_tokens=True)
+                verdict = parse_verdict(reply)
+                if verdict is None:
+                    out.append(self._fail(f"no verdict: reply {reply[:80]!r}"))
+                else:
+                    self._store(p, reply)
+                    out.append(verdict)
+        return out
+
+
+def make_judge(url: str = "", model: str = "", hf: bool = False, **kw) -> Judge:
+    """An HTTP judge (url) or an in-process transformers judge (hf=True, model = a local dir)."""
+    if not url and not hf:
+        raise ValueError("a judge needs a url (OpenAI-compatible server) or hf=True with a model directory")
+    if kw.get("on_failure", "error") not in ("error", "zero"):
+        raise ValueError(f"on_failure must be 'error' or 'zero', got {kw['on_failure']!r}")
+    return Judge(model=model, url="" if hf else url, **kw)

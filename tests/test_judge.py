@@ -1,0 +1,141 @@
+"""A real judge over HTTP: vLLM's OpenAI-compatible server (CPU build) on 127.0.0.1 serving the
+micro policy, and the same model in process with transformers.
+
+The tiny policy is no judge of anything; what is tested is the client: verdicts constrained to
+0/1, the cache, retries through a server restart in the middle of a batch, timeouts counted as
+failures, the failure policy, and the two backends agreeing on the same model.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from judge import JudgeError, make_judge, parse_verdict
+from rewards import compute
+
+INFOS = [f"Doc {i}(Title: P{i}) P{i} was born in the city of C{i}." for i in range(12)]
+THINKS = ["So P was born in C.", "I will search again.", "The passage says nothing.", "C it is."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(policy, port):
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(policy), "--host", "127.0.0.1",
+           "--port", str(port), "--max-model-len", "512", "--gpu-memory-utilization", "0.05", "--dtype", "float32",
+           "--served-model-name", "judge"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("vLLM server exited during start-up") from None
+            time.sleep(1)
+    raise RuntimeError("vLLM server did not start in 10 minutes")
+
+
+def stop(proc):
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(micro):
+    port = free_port()
+    state = {"proc": start(micro[2], port), "port": port, "policy": micro[2]}
+    yield state
+    stop(state["proc"])
+
+
+# The micro model copies what it has seen: these raw prompts draw both verdicts from it, so the
+# agreement and determinism checks below compare mixed 0/1 answers, not a constant.
+COPY_PROMPTS = [f"Verdict: {b}\n" * n + "Verdict:" for b in (0, 1) for n in (1, 3, 6)]
+COPY_PROMPTS += ["1 1 1 1 1 1", "0 0 0 0", "11111", "00000", "Velor 1. Velor 1. Velor"]
+
+
+def prompts(judge):
+    return [judge.prompt("info_think", info=i, think=t) for i in INFOS for t in THINKS[:2]] + COPY_PROMPTS
+
+
+def test_parse_verdict():
+    assert [parse_verdict(t) for t in ["1", " Yes.", "0\n", "no way", "maybe", ""]] == [1.0, 1.0, 0.0, 0.0, None, None]
+
+
+def test_http_judge_scores_a_batch_and_caches(server, tmp_path):
+    url = f"http://127.0.0.1:{server['port']}/v1"
+    judge = make_judge(url, "judge", cache_path=str(tmp_path / "judge.sqlite"), concurrency=4)
+    first = judge.verdicts(prompts(judge))
+    n = len(first)
+    assert set(first) == {0.0, 1.0} and judge.failures == 0 and judge.calls == n
+    again = judge.verdicts(prompts(judge))
+    assert again == first and judge.calls == n and judge.cache_hits == n  # all from the cache
+    fresh = make_judge(url, "judge", concurrency=1)
+    assert fresh.verdicts(prompts(fresh)) == first  # greedy and constrained: deterministic
+
+
+def test_http_judge_survives_a_server_restart_mid_batch(server):
+    url = f"http://127.0.0.1:{server['port']}/v1"
+    reference = make_judge(url, "judge").verdicts(prompts(make_judge(url, "judge")))
+    judge = make_judge(url, "judge", concurrency=2, retries=14, backoff=1.0, timeout=30)
+
+    def restart():
+        while judge.calls < 4:
+            time.sleep(0.01)
+        stop(server["proc"])
+        server["proc"] = start(server["policy"], server["port"])
+
+    t = threading.Thread(target=restart)
+    t.start()
+    got = judge.verdicts(prompts(judge))
+    t.join()
+    assert judge.retried > 0 and judge.failures == 0  # the restart was felt, and ridden out
+    assert got == reference
+
+
+def test_timeouts_are_counted_failures_and_the_policy_decides(server, capsys):
+    url = f"http://127.0.0.1:{server['port']}/v1"
+    judge = make_judge(url, "judge", timeout=0.001, retries=1, backoff=0.01, on_failure="zero", concurrency=2)
+    got = judge.verdicts(prompts(judge)[:6])
+    assert got == [0.0] * 6 and judge.failures == 6
+    assert "judge failure (zero): unreachable: 2 attempts" in capsys.readouterr().out  # said, not swallowed
+    strict = make_judge(url, "judge", timeout=0.001, retries=0, on_failure="error")
+    with pytest.raises(JudgeError, match="unreachable"):
+        strict.verdicts(prompts(strict)[:1])
+    dead = make_judge(f"http://127.0.0.1:{free_port()}/v1", "judge", retries=1, backoff=0.01, on_failure="error")
+    with pytest.raises(JudgeError, match="URLError"):
+        dead.verdicts(["x"])
+
+
+def test_in_process_judge_agrees_with_the_server_on_the_same_model(server, micro):
+    url = f"http://127.0.0.1:{server['port']}/v1"
+    http = make_judge(url, "judge")
+    local = make_judge(model=str(micro[2]), hf=True)
+    ps = prompts(http)
+    verdicts = http.verdicts(ps)
+    assert set(verdicts) == {0.0, 1.0} and local.verdicts(ps) == verdicts
+
+
+def test_rewards_use_the_judge(server):
+    judge = make_judge(f"http://127.0.0.1:{server['port']}/v1", "judge")
+    text = (f"<think> find it</think><search> P1 born</search><information>{INFOS[1]}</information>"
+            "<think> So P1 was born in C1.</think><answer> C1 </answer>")  # fmt: skip
+    rec = {"response": text, "golden_answers": ["C1"], "question": "Where was P1 born?"}
+    out = compute([dict(rec)], "veritas", judge=judge)[0]
+    assert out["components"]["judged"] == 1.0 and out["components"]["info_think"] in (0.0, 1.0)
+    expected = 0.9 + 0.05 * out["components"]["info_think"] + 0.02
+    assert out["reward"] == pytest.approx(expected)
+    web = compute([dict(rec)], "webfilter", judge=judge)[0]["components"]
+    assert web["judged"] == 1.0 and web["z"] in (0.0, 1.0) and web["c"] in (0.0, 1.0)
