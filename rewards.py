@@ -174,10 +174,8 @@ def parse_response(text: str) -> Parsed:
     if text[pos:].strip():
         blocks.append(("text", text[pos:]))
     p = Parsed(blocks)
-    inner = [b for k, b in blocks if k not in OBSERVATIONS]  # nothing a tool wrote counts as ours
-    p.tags_balanced = all(not _ANY_TAG.search(b) for b in inner) and all(
-        not _ANY_TAG.search(b) for k, b in blocks if k == "text"
-    )
+    # a tag inside a block or between blocks is nested or unclosed; tool output may hold anything
+    p.tags_balanced = not any(_ANY_TAG.search(b) for k, b in blocks if k not in OBSERVATIONS)
     answers = [b for k, b in blocks if k == "answer"]
     if answers:
         p.answer = unbox(answers[-1])
@@ -208,13 +206,13 @@ def parsed(record: dict) -> Parsed:
 # --------------------------------------------------------------------------------------------
 # Answer metrics.
 
-_PUNCT = set(string.punctuation)
+_NO_PUNCT = str.maketrans("", "", string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
 def normalize_answer(s: str) -> str:
     """SQuAD v1.1's normalisation: lower, no punctuation, no articles, single spaces."""
-    s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
-    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+    return " ".join(_ARTICLES.sub(" ", s.lower().translate(_NO_PUNCT)).split())
 
 
 def _golden(record: dict) -> list[str]:
