@@ -13,9 +13,9 @@ The table (`REWARDS`), by paper, with the equation each implements:
   search_r1_em       Search-R1 §3.4: EM of the final answer, SQuAD normalisation
   search_r1_subem    substring EM (released code's `subem_check`)
   search_r1_format   format-aware EM (released code `qa_em_format.py`; follow-up study 2505.15117):
-                     EM & valid -> 1; EM & invalid -> 1 - lambda_f; wrong/none & valid -> lambda_f
+                     EM & valid -> 1; EM & invalid -> 1 - lambda_s; wrong/none & valid -> lambda_s
                      (+ lambda_r if a gold answer is in a retrieved block); wrong & invalid ->
-                     final_format (0.1); no answer & invalid -> 0
+                     lambda_f (0.1); no answer & invalid -> 0
   deliberative       Deliberative Searcher eq. 5-6: r_format * (0.1 r_format + 0.9 r_acc +
                      lambda r_reliab), r_reliab = (acc and c >= zeta) or (not acc and c < zeta)
   webfilter          WebFilter eq. 6-8: -1 bad format; f = 0.4 z + 0.2 c + 0.4 R_f1 if non-zero;
@@ -318,19 +318,21 @@ def retrieval_hit(record: dict) -> bool:
     return any(g in normalize_answer(b) for k, b in parsed(record).blocks if k in OBSERVATIONS for g in golden)
 
 
-def search_r1_format(record: dict, lambda_f: float = 0.2, lambda_r: float = 0.0, final_format: float = 0.1,
+def search_r1_format(record: dict, lambda_s: float = 0.2, lambda_r: float = 0.0, lambda_f: float = 0.1,
                      **_) -> dict:  # fmt: skip
-    """Format-aware EM; defaults are the released v0.3 scripts' (0.2 / 0 / 0.1)."""
+    """Format-aware EM. lambda_s: structure (the code's structure_format_score), lambda_r:
+    retrieval (retrieval_score), lambda_f: final format (final_format_score); defaults are the
+    released v0.3 scripts' 0.2 / 0 / 0.1."""
     p = parsed(record)
     valid = p.structure_ok and p.tags_balanced
     e = exact_match(p.answer, _golden(record))
     hit = valid and retrieval_hit(record)
     if e:
-        r = 1.0 if valid else 1.0 - lambda_f
+        r = 1.0 if valid else 1.0 - lambda_s
     elif valid:
-        r = lambda_f + (lambda_r if hit else 0.0)
+        r = lambda_s + (lambda_r if hit else 0.0)
     else:
-        r = final_format if p.answer is not None else 0.0
+        r = lambda_f if p.answer is not None else 0.0
     return {"em": e, "structure_ok": float(valid), "retrieval_hit": float(hit), "reward": r}
 
 
@@ -490,17 +492,20 @@ class BapoState:
         return self.stage
 
 
-def bapo_correct(record: dict, **_) -> float:
-    """R_correct (eq. 3): char-F1 with a valid format, -1 otherwise. An IDK answer scores 0
-    (char-F1 of "I DON'T KNOW" against a name is usually > 0; the paper is silent)."""
+def bapo_correct(record: dict, f1_unit: str = "char", **_) -> float:
+    """R_correct (eq. 3): F1 with a valid format, -1 otherwise. The paper's F1 is character-level
+    (BAPO §2.2); f1_unit="word" gives SQuAD's. An IDK answer scores 0 (char-F1 of "I DON'T KNOW"
+    against a name is usually > 0; the paper is silent)."""
     p = parsed(record)
     if not p.format_ok:
         return -1.0
-    return 0.0 if p.idk else char_f1(p.answer, _golden(record))
+    if p.idk:
+        return 0.0
+    return (f1_score if f1_unit == "word" else char_f1)(p.answer, _golden(record))
 
 
 def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alpha: float = 0.05,
-         sample_level: bool = True, **_) -> list[dict]:  # fmt: skip
+         sample_level: bool = True, f1_unit: str = "char", **_) -> list[dict]:  # fmt: skip
     """BAPO eq. 5-6 for one group of G rollouts of the same question.
 
     R_IDK = 0.5 [answer is IDK] when no rollout has R_correct > 0, and the modulator allows it:
@@ -508,7 +513,7 @@ def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alph
       plateau stage: always, except (sample level) for a question whose G rollouts give at
       least G/2 distinct answers (the model is still exploring it).
     """
-    correct = [bapo_correct(r) for r in group]
+    correct = [bapo_correct(r, f1_unit) for r in group]
     answers = [normalize_answer(parsed(r).answer or "") for r in group]
     distinct = len(set(answers))
     if stage == "exploration":
@@ -527,13 +532,13 @@ def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alph
 bapo.group = True
 
 
-def bapo_resample_groups(records: list[dict]) -> list[str]:
+def bapo_resample_groups(records: list[dict], f1_unit: str = "char") -> list[str]:
     """Group ids to roll out again (BAPO §4.2, up to k = 2 more times, the trainer counts):
     no rollout correct (R_correct > 0) and none said IDK."""
     groups: dict[str, list[dict]] = {}
     for r in records:
         groups.setdefault(str(r.get("group_id")), []).append(r)
-    return [g for g, rs in groups.items() if all(bapo_correct(r) <= 0 and not parsed(r).idk for r in rs)]
+    return [g for g, rs in groups.items() if all(bapo_correct(r, f1_unit) <= 0 and not parsed(r).idk for r in rs)]
 
 
 def reliability_metrics(records: list[dict]) -> dict:

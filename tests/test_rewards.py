@@ -96,15 +96,15 @@ CASES = {
 @pytest.mark.parametrize(
     "case, em, subem, fmt, fmt_r",
     [
-        # EM & valid -> 1 (both lambda_r settings)
+        # EM & valid -> 1 (both lambda_r settings); lambda_s 0.2, lambda_r 0 (or 0.1), lambda_f 0.1
         ("correct", 1.0, 1.0, 1.0, 1.0),
-        # wrong & valid -> lambda_f = 0.2; with a retrieval hit (Velor is in the passage) + lambda_r 0.1
+        # wrong & valid -> lambda_s = 0.2; with a retrieval hit (Velor is in the passage) + lambda_r 0.1
         ("wrong", 0.0, 0.0, 0.2, 0.3),
-        # IDK is just a wrong answer to Search-R1: valid format, no retrieval -> lambda_f
+        # IDK is just a wrong answer to Search-R1: valid format, no retrieval -> lambda_s
         ("idk", 0.0, 0.0, 0.2, 0.2),
         # no answer, valid-looking blocks but the sequence does not end in an answer -> 0
         ("missing", 0.0, 0.0, 0.0, 0.0),
-        # EM with a broken structure -> 1 - lambda_f
+        # EM with a broken structure -> 1 - lambda_s
         ("broken", 1.0, 1.0, 0.8, 0.8),
     ],
 )
@@ -231,6 +231,9 @@ def test_bapo_idk_bonus_only_when_no_rollout_is_correct():
     # a partially right answer (char-F1 > 0) counts as correct: the bonus is off
     got = bapo(group([IDK, IDK, IDK, "Kesh", "Kesh", "Kesh"]), stage="plateau")
     assert [g["idk_bonus"] for g in got] == [0.0] * 6
+    # with word-level F1 "Kesh" shares nothing with "Velor": nobody is correct, the bonus is on
+    got = bapo(group([IDK, IDK, IDK, "Kesh", "Kesh", "Kesh"]), stage="plateau", f1_unit="word")
+    assert [g["reward"] for g in got] == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0]
 
 
 def test_bapo_modulator_stage_and_sample_level():
