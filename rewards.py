@@ -412,31 +412,24 @@ def info_think(record: dict, judge=None, **_) -> dict:
     """VERITAS info-think faithfulness: mean judge verdict over (information, next think)
     pairs. 0 when the rollout never searched (the paper is silent; 1 would pay for not
     searching) and 0 without a judge ("pairs" says how many there were)."""
-    pairs = _pairs(parsed(record).blocks, OBSERVATIONS, "think")
-    if not pairs:
-        return {"reward": 0.0, "pairs": 0}
-    if judge is None:
-        return {"reward": 0.0, "pairs": len(pairs)}
-    verdicts = judge.verdicts([judge.prompt("info_think", info=i, think=t) for i, t in pairs])
-    return {"reward": sum(verdicts) / len(verdicts), "pairs": len(pairs)}
+    return _pair_verdicts(record, judge, OBSERVATIONS, ("think",), "info_think", ("info", "think"))
 
 
 def think_search(record: dict, judge=None, **_) -> dict:
     """VERITAS think-search faithfulness (an evaluation metric): does each query follow from the
     think block before it? Mean judge verdict; 0 without searches or without a judge (average
     it over rollouts with pairs > 0)."""
-    pairs = _pairs(parsed(record).blocks, ("think",), ACTIONS)
-    if not pairs:
-        return {"reward": 0.0, "pairs": 0}
-    if judge is None:
+    return _pair_verdicts(record, judge, ("think",), ACTIONS, "think_search", ("think", "search"))
+
+
+def _pair_verdicts(record: dict, judge, first: tuple, second: tuple, kind: str, fields: tuple) -> dict:
+    """Mean judge verdict over adjacent (first, second) block pairs, e.g. (information, think)."""
+    blocks = parsed(record).blocks
+    pairs = [(a, b) for (ka, a), (kb, b) in zip(blocks, blocks[1:]) if ka in first and kb in second]
+    if not pairs or judge is None:
         return {"reward": 0.0, "pairs": len(pairs)}
-    verdicts = judge.verdicts([judge.prompt("think_search", think=t, search=s) for t, s in pairs])
+    verdicts = judge.verdicts([judge.prompt(kind, **dict(zip(fields, pair))) for pair in pairs])
     return {"reward": sum(verdicts) / len(verdicts), "pairs": len(pairs)}
-
-
-def _pairs(blocks, first: tuple, second) -> list[tuple[str, str]]:
-    second = (second,) if isinstance(second, str) else second
-    return [(a, b) for (ka, a), (kb, b) in zip(blocks, blocks[1:]) if ka in first and kb in second]
 
 
 def veritas(record: dict, w_em: float = 0.9, w_info_think: float = 0.05, w_think_answer: float = 0.02,
