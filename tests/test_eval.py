@@ -7,8 +7,9 @@ from rewards import score
 
 
 def rec(kind, answer, golden, searches, finish="answer"):
+    text = f"<think> x</think><answer> {answer} </answer>" if answer else "<think> x</think><search> q</search>"
     return {"answer": answer, "golden_answers": [golden], "finish": finish, "num_searches": searches,
-            "metadata": {"type": kind}}  # fmt: skip
+            "metadata": {"type": kind}, "response_text": text}  # fmt: skip
 
 
 def test_summarize_by_hand():
