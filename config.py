@@ -131,8 +131,16 @@ class TrainConfig:
     lr: float = 2e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    clip_eps: float = 0.2
+    clip_eps: float = 0.2  # epsilon_low of PPO-clip (Search-R1 scripts: 0.2)
+    clip_eps_high: float = 0.0  # epsilon_high; 0: = clip_eps. DAPO's clip-higher uses 0.28
+    dual_clip: float = 0.0  # c > 1: for A < 0 the loss is capped at -c A (dual-clip PPO); 0: off
+    entropy_coef: float = 0.0  # entropy bonus (Search-R1 scripts: 0.001)
     kl_coef: float = 0.001  # k3 / low_var_kl as a loss term (Search-R1 released scripts)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (DESIGN §4)
+    kl_in_reward: bool = False  # True: r_i -= kl_coef * sum_t KL_t before the advantages (PPO style)
+    adv_std: str = "group"  # group | batch | none (Dr.GRPO drops the std)
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
+    loss_norm_tokens: int = 0  # Dr.GRPO's constant divisor; 0: rollout.max_model_len
     adv_eps: float = 1e-6
     mask_retrieved: bool = True  # Search-R1's retrieved-token loss mask; False = its ablation
     micro_batch_tokens: int = 8192  # padded tokens per forward/backward (similar lengths packed)
@@ -204,6 +212,25 @@ def _coerce(value: object, kind: type, key: str) -> object:
     raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {value!r}")
 
 
+# Keys whose value must be one of a few words; a typo is an error naming the key, not a silent default.
+CHOICES = {
+    "train.kl_estimator": ("k1", "k2", "k3"),
+    "train.adv_std": ("group", "batch", "none"),
+    "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "retriever.method": ("bm25", "dense", "hybrid"),
+    "retriever.bm25_backend": ("numpy", "numba"),
+    "rollout.engine": ("vllm", "hf"),
+}
+
+
+def _check_choices(cfg: Config) -> None:
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {value!r}")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML scalars)."""
     cfg = Config()
@@ -221,6 +248,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not eq:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         _set(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    _check_choices(cfg)
     return cfg
 
 

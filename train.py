@@ -17,6 +17,9 @@ One step, top to bottom (each line is a function below):
                  kl_t  = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]   (k3)
                loss = sum_t m_t (pg_t + beta kl_t) / sum_t m_t   over the whole batch
                (token-mean; micro-batches divide by the batch's token count, not their own)
+               Options (config train.*): kl_estimator k1/k2/k3, kl_in_reward, adv_std
+               group/batch/none, loss_agg (token-mean, seq-mean-token-mean, Dr.GRPO's
+               seq-mean-token-sum-norm), clip_eps_high (clip-higher), dual_clip, entropy_coef.
   5. update    AdamW, gradient-norm clip
   6. sync      push the new weights into the vLLM engine (engine.load_weights)
 
@@ -54,27 +57,49 @@ from sft import pad_batch, token_budget_batches, token_logprobs
 # The GRPO math (DESIGN.md §4). Pure functions on tensors, tested in tests/test_grpo.py.
 
 
-def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6) -> list[float]:
-    """GRPO: (r - mean of the group) / (std of the group + eps); equal rewards give 0.
+def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6, std: str = "group") -> list[float]:
+    """GRPO: (r - mean of the group) / (std + eps); equal rewards give 0.
+
+    std "group" (GRPO), "batch" (one std over the whole batch) or "none" (Dr.GRPO: r - mean).
 
     >>> [round(a, 3) for a in group_advantages([1, 0, 0, 1], ["q"] * 4)]
     [0.866, -0.866, -0.866, 0.866]
+    >>> group_advantages([1, 0, 0, 1], ["q"] * 4, std="none")
+    [0.5, -0.5, -0.5, 0.5]
     """
     groups: dict[str, list[float]] = {}
     for r, g in zip(rewards, group_ids):
         groups.setdefault(g, []).append(r)
-    stats = {}
-    for g, rs in groups.items():
-        mean = sum(rs) / len(rs)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / max(1, len(rs) - 1))  # unbiased, as torch.std
-        stats[g] = (mean, std)
-    return [(r - stats[g][0]) / (stats[g][1] + eps) for r, g in zip(rewards, group_ids)]
+    mean = {g: sum(rs) / len(rs) for g, rs in groups.items()}
+    centred = [r - mean[g] for r, g in zip(rewards, group_ids)]
+    if std == "none":
+        return centred
+
+    def unbiased_std(xs: list[float]) -> float:  # as torch.std
+        m = sum(xs) / len(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1))
+
+    if std == "batch":
+        s = unbiased_std(list(rewards))
+        return [c / (s + eps) for c in centred]
+    sd = {g: unbiased_std(rs) for g, rs in groups.items()}
+    return [c / (sd[g] + eps) for c, g in zip(centred, group_ids)]
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman 2020; DESIGN §4):
+    k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 ("low_var_kl") = exp(ref - logp) - (ref - logp) - 1,
+    clamped to [-10, 10]. k1 is unbiased but noisy, k3 unbiased and >= 0, k2 biased but low-variance."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    return (torch.exp(-log_ratio) + log_ratio - 1).clamp(-10, 10)
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 ("low_var_kl") estimate of KL(pi || ref) per token, clamped to [-10, 10]."""
-    log_ratio = ref_logp - logp
-    return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
+    return kl_estimate(logp, ref_logp, "k3")
 
 
 def grpo_token_loss(
@@ -84,14 +109,43 @@ def grpo_token_loss(
     ref_logp: torch.Tensor | None,
     clip_eps: float,
     kl_coef: float,
+    clip_eps_high: float = 0.0,
+    dual_clip: float = 0.0,
+    kl_kind: str = "k3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss (PPO-clip policy term + beta * k3), its KL part and whether it clipped."""
+    """Per-token loss (PPO-clip policy term + beta * KL), its KL part and whether it clipped.
+
+    pg = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)); eps_high = eps_low unless given
+    (DAPO's clip-higher). Dual-clip (c > 1, for A < 0 only) caps pg at -c A, so a huge ratio on a
+    bad token cannot blow the loss up.
+    """
     ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    return loss + kl_coef * kl, kl, (clipped < unclipped).float()
+    high = clip_eps_high or clip_eps
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip > 1:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    kl = kl_estimate(logp, ref_logp, kl_kind) if ref_logp is not None else torch.zeros_like(logp)
+    return loss + kl_coef * kl, kl, (loss != unclipped).float()
+
+
+def loss_weights(policy_tokens: list[int], mode: str, norm: int) -> list[float]:
+    """Per-sequence weight w_i so that the loss is sum_i w_i sum_t m_it l_it (DESIGN §4):
+
+      token-mean               w_i = 1 / sum_j n_j           (every policy token counts the same)
+      seq-mean-token-mean      w_i = 1 / (N n_i)             (every rollout counts the same)
+      seq-mean-token-sum-norm  w_i = 1 / (N norm)            (Dr.GRPO: no length bias)
+
+    >>> loss_weights([1, 3], "seq-mean-token-mean", 0)
+    [0.5, 0.16666666666666666]
+    """
+    n = len(policy_tokens)
+    if mode == "seq-mean-token-mean":
+        return [1.0 / (n * max(1, k)) for k in policy_tokens]
+    if mode == "seq-mean-token-sum-norm":
+        return [1.0 / (n * norm)] * n
+    return [1.0 / max(1, sum(policy_tokens))] * n
 
 
 def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad_id: int) -> dict:
@@ -105,6 +159,8 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
         masks.append(sampled[-1] if tcfg.mask_retrieved else [0] * n + [1] * len(r["response_ids"]))
         olds.append([0.0] * n + r["logprobs"])
     n_tokens = sum(sum(m) for m in masks)  # the token-mean denominator for the whole batch
+    weights = loss_weights([sum(m) for m in masks], tcfg.loss_agg, tcfg.loss_norm_tokens or cfg.rollout.max_model_len)
+    kl_coef = 0.0 if tcfg.kl_in_reward else tcfg.kl_coef  # in the reward already (kl_penalties)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
@@ -113,6 +169,7 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
         was_sampled = _pad_float([sampled[i] for i in idx], ids.shape[1])[:, 1:]
         old = _pad_float([olds[i] for i in idx], ids.shape[1])[:, 1:]
         m = mask[:, 1:]  # position t-1 predicts token t
+        w = torch.tensor([weights[i] for i in idx])[:, None]
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -120,21 +177,41 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
         # no-mask ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
         old_logp = torch.where(was_sampled > 0, old, logp.detach())
         ref_logp = None
-        if ref_model is not None and tcfg.kl_coef > 0:
+        if ref_model is not None and kl_coef > 0:
             with torch.no_grad():
                 ref_logp = token_logprobs(ref_model, ids, attn)
         adv = torch.tensor([records[i]["advantage"] for i in idx])[:, None].expand_as(logp)
-        tok_loss, kl, clipped = grpo_token_loss(logp, old_logp, adv, ref_logp, tcfg.clip_eps, tcfg.kl_coef)
-        loss = (tok_loss * m).sum() / n_tokens
+        tok_loss, kl, clipped = grpo_token_loss(
+            logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip, tcfg.kl_estimator
+        )
+        with torch.set_grad_enabled(tcfg.entropy_coef > 0):
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        loss = ((tok_loss - tcfg.entropy_coef * entropy) * m * w).sum()
         loss.backward()
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
             for key, value in (("loss", tok_loss), ("kl", kl), ("clip_frac", clipped), ("entropy", entropy)):
                 totals[key] += float((value * m).sum() / n_tokens)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
     optimizer.step()
     model.eval()
     return totals | {"grad_norm": float(grad_norm), "policy_tokens": n_tokens}
+
+
+def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[float]:
+    """sum_t m_t KL_t(pi_old || ref) per rollout, with pi_old the engine's sampling logprobs: what
+    `kl_in_reward` subtracts from the reward (times kl_coef) before the advantages."""
+    out = [0.0] * len(records)
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
+    masks = [[0] * len(r["prompt_ids"]) + r["loss_mask"] for r in records]
+    for idx in token_budget_batches([len(s) for s in seqs], cfg.train.micro_batch_tokens, random.Random(0)):
+        ids, attn, mask = pad_batch([seqs[i] for i in idx], [masks[i] for i in idx], pad_id)
+        old = _pad_float([[0.0] * len(records[i]["prompt_ids"]) + records[i]["logprobs"] for i in idx], ids.shape[1])
+        with torch.no_grad():
+            ref = token_logprobs(ref_model, ids, attn)
+        kl = kl_estimate(old[:, 1:], ref, cfg.train.kl_estimator) * mask[:, 1:]
+        for row, i in enumerate(idx):
+            out[i] = float(kl[row].sum())
+    return out
 
 
 def _pad_float(rows: list[list[float]], width: int) -> torch.Tensor:
@@ -317,8 +394,12 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
         t0 = time.time()
         score(records, cfg.train.reward, cfg.train.reward_params)
+        if cfg.train.kl_in_reward and ref is not None and cfg.train.kl_coef > 0:
+            for r, kl in zip(records, kl_penalties(ref, records, cfg, tokenizer.pad_token_id)):
+                r["kl_penalty"] = kl
+                r["reward"] -= cfg.train.kl_coef * kl
         advantages = group_advantages(
-            [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps
+            [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
         )
         for r, a in zip(records, advantages):
             r["advantage"] = a

@@ -32,3 +32,117 @@ def test_clip_by_hand():
     # A>0: min(1.5, 1.2) = 1.2 ; min(0.5, 0.8) = 0.5 ; A<0: min(-1.5, -1.2) = -1.5 ; min(-0.5,-0.8) = -0.8
     assert loss.tolist() == pytest.approx([-1.2, -0.5, 1.5, 0.8])
     assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_kl_estimators_match_the_formulas():
+    from train import kl_estimate
+
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.5, -1.0, -0.5])
+    d = logp - ref  # log pi - log ref
+    assert torch.allclose(kl_estimate(logp, ref, "k1"), d)
+    assert torch.allclose(kl_estimate(logp, ref, "k2"), 0.5 * d**2)
+    assert torch.allclose(kl_estimate(logp, ref, "k3"), torch.exp(-d) + d - 1)
+    # all three estimate KL(p || q) = E_p[log p - log q]: check on a sampled categorical
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.5, 0.3])
+    exact = float((p * (p / q).log()).sum())
+    x = torch.multinomial(p, 200_000, replacement=True, generator=gen)
+    for kind, tol in (("k1", 0.01), ("k3", 0.01)):
+        assert float(kl_estimate(p.log()[x], q.log()[x], kind).mean()) == pytest.approx(exact, abs=tol), kind
+
+
+def test_std_normalisation_options():
+    rewards, groups = [1, 0, 0, 1, 1, 1], ["a"] * 4 + ["b"] * 2
+    assert group_advantages(rewards, groups, std="none") == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0]
+    batch_std = torch.tensor(rewards, dtype=torch.float64).std().item()
+    assert group_advantages(rewards, groups, std="batch") == pytest.approx(
+        [0.5 / batch_std, -0.5 / batch_std, -0.5 / batch_std, 0.5 / batch_std, 0.0, 0.0], rel=1e-5
+    )
+
+
+def test_clip_higher_and_dual_clip_by_hand():
+    old = torch.zeros(3)
+    logp = torch.log(torch.tensor([1.25, 5.0, 0.5]))
+    adv = torch.tensor([1.0, -1.0, -1.0])
+    sym, _, sym_clipped = grpo_token_loss(logp, old, adv, None, 0.2, 0.0)
+    # A>0, rho 1.25: symmetric clips at 1.2 ; A<0, rho 5: max(5, 1.2) = 5 ; rho 0.5: max(0.5, 0.8) = 0.8
+    assert sym.tolist() == pytest.approx([-1.2, 5.0, 0.8])
+    high, _, _ = grpo_token_loss(logp, old, adv, None, 0.2, 0.0, clip_eps_high=0.28)
+    assert high.tolist() == pytest.approx([-1.25, 5.0, 0.8])  # 1.25 < 1.28: not clipped
+    dual, _, dual_clipped = grpo_token_loss(logp, old, adv, None, 0.2, 0.0, dual_clip=3.0)
+    assert dual.tolist() == pytest.approx([-1.2, 3.0, 0.8])  # the bad token's loss capped at c |A| = 3
+    assert dual_clipped.tolist() == [1.0, 1.0, 1.0] and sym_clipped.tolist() == [1.0, 0.0, 1.0]
+    ratio = torch.tensor([5.0], requires_grad=True)
+    loss, _, _ = grpo_token_loss(ratio.log(), torch.zeros(1), torch.tensor([-1.0]), None, 0.2, 0.0, dual_clip=3.0)
+    loss.sum().backward()
+    assert ratio.grad.item() == 0.0  # capped: no gradient through the huge ratio
+
+
+def test_loss_aggregation_modes_by_hand():
+    from train import loss_weights
+
+    # two rollouts with 1 and 3 policy tokens, per-token losses l = [2] and [1, 1, 4]
+    losses = [[2.0], [1.0, 1.0, 4.0]]
+    lengths = [1, 3]
+
+    def agg(mode, norm=10):
+        w = loss_weights(lengths, mode, norm)
+        return sum(wi * sum(li) for wi, li in zip(w, losses))
+
+    assert agg("token-mean") == pytest.approx(8 / 4)
+    assert agg("seq-mean-token-mean") == pytest.approx((2 / 1 + 6 / 3) / 2)
+    assert agg("seq-mean-token-sum-norm") == pytest.approx((2 / 10 + 6 / 10) / 2)
+
+
+def test_entropy_bonus_raises_entropy_when_advantages_are_zero(tmp_path):
+    from test_masking import setup
+
+    from train import grpo_step
+
+    tok, cfg, model, _ = setup(tmp_path)
+    ids = tok.encode("<think> P was born in the city of C.</think>", add_special_tokens=False)
+    record = {"prompt_ids": ids[:3], "response_ids": ids[3:], "loss_mask": [1] * len(ids[3:]),
+              "logprobs": [0.0] * len(ids[3:]), "advantage": 0.0}  # fmt: skip
+    cfg.train.kl_coef = 0.0
+    cfg.train.entropy_coef = 1.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = grpo_step(model, None, [record], opt, cfg, tok.pad_token_id)["entropy"]
+    after = grpo_step(model, None, [record], opt, cfg, tok.pad_token_id)["entropy"]
+    assert after > before  # with A = 0 the only gradient is the entropy bonus's
+    cfg.train.entropy_coef = 0.0
+    opt.zero_grad()
+    stats = grpo_step(model, None, [record], torch.optim.SGD(model.parameters(), lr=0.0), cfg, tok.pad_token_id)
+    assert stats["grad_norm"] == 0.0  # and without it there is none
+
+
+def test_unknown_choice_names_the_key():
+    from config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="'train.loss_agg' must be one of token-mean"):
+        load_config(None, ["train.loss_agg=sequence-mean"])
+    with pytest.raises(ConfigError, match="'train.kl_estimator'"):
+        load_config(None, ["train.kl_estimator=k4"])
+
+
+def test_kl_in_reward_sums_the_estimate_over_policy_tokens(tmp_path):
+    from test_masking import setup
+
+    from sft import pad_batch, token_logprobs
+    from train import kl_penalties
+
+    tok, cfg, model, _ = setup(tmp_path)
+    ids = tok.encode("<think> P was born in the city of C.</think>", add_special_tokens=False)
+    a, b = pad_batch([ids], [[1] * len(ids)], tok.pad_token_id)[:2]
+    with torch.no_grad():
+        true = token_logprobs(model, a, b)[0].tolist()
+    n_prompt = 3
+    mask = [1, 0] * ((len(ids) - n_prompt) // 2) + [1] * ((len(ids) - n_prompt) % 2)  # every other token
+    logprobs = [lp + 0.1 for lp in true[n_prompt - 1 :]]  # pi_old = ref + 0.1 on every token
+    record = {"prompt_ids": ids[:n_prompt], "response_ids": ids[n_prompt:], "loss_mask": mask, "logprobs": logprobs}
+    cfg.train.kl_estimator = "k1"
+    assert kl_penalties(model, [record], cfg, tok.pad_token_id)[0] == pytest.approx(0.1 * sum(mask), rel=1e-4)
+    cfg.train.kl_estimator = "k3"
+    k3 = math.exp(-0.1) + 0.1 - 1
+    assert kl_penalties(model, [record], cfg, tok.pad_token_id)[0] == pytest.approx(k3 * sum(mask), rel=1e-3)
