@@ -55,19 +55,41 @@ def stop(proc):
 @pytest.fixture(scope="module")
 def server(micro):
     port = free_port()
-    state = {"proc": start(micro[2], port), "port": port, "policy": micro[2]}
+    state = {"proc": start(micro[2], port), "port": port, "policy": micro[2], "mixed": mixed_prompts(micro[2])}
     yield state
     stop(state["proc"])
 
 
-# The micro model copies what it has seen: these raw prompts draw both verdicts from it, so the
-# agreement and determinism checks below compare mixed 0/1 answers, not a constant.
-COPY_PROMPTS = [f"Verdict: {b}\n" * n + "Verdict:" for b in (0, 1) for n in (1, 3, 6)]
-COPY_PROMPTS += ["1 1 1 1 1 1", "0 0 0 0", "11111", "00000", "Velor 1. Velor 1. Velor"]
-
-
 def prompts(judge):
-    return [judge.prompt("info_think", info=i, think=t) for i in INFOS for t in THINKS[:2]] + COPY_PROMPTS
+    return [judge.prompt("info_think", info=i, think=t) for i in INFOS for t in THINKS[:2]]
+
+
+def mixed_prompts(policy, n: int = 6) -> list[str]:
+    """Prompts on which the micro model clearly prefers "1" and prompts on which it clearly prefers
+    "0" (n of each), picked from a pool by its own next-token logits. A micro model judges
+    nothing, and which way it leans differs from build to build; this keeps the agreement and
+    determinism checks comparing mixed answers, not a constant."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rng = random.Random(0)
+    pool = [f"Verdict: {b}\n" * k + "Verdict:" for b in (0, 1) for k in (1, 3, 6)]
+    pool += [f"{d} " * k for d in "01" for k in range(1, 9)] + [d * k for d in "01" for k in range(2, 9)]
+    pool += ["".join(rng.choice("01 abcdeVelor.\n") for _ in range(rng.randint(3, 40))) for _ in range(300)]
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    one, zero = tok.encode("1", add_special_tokens=False)[0], tok.encode("0", add_special_tokens=False)[0]
+    margins = []
+    with torch.inference_mode():
+        for p in pool:
+            logits = model(**tok(p, return_tensors="pt")).logits[0, -1]
+            margins.append(float(logits[one] - logits[zero]))
+    order = sorted(range(len(pool)), key=lambda i: margins[i])
+    low, high = order[:n], order[-n:]
+    assert margins[high[-1]] > 0.5 and margins[low[0]] < -0.5, "the micro model never clearly prefers 1 or 0"
+    return [pool[i] for i in low if margins[i] < -0.5] + [pool[i] for i in high if margins[i] > 0.5]
 
 
 def test_parse_verdict():
@@ -77,18 +99,20 @@ def test_parse_verdict():
 def test_http_judge_scores_a_batch_and_caches(server, tmp_path):
     url = f"http://127.0.0.1:{server['port']}/v1"
     judge = make_judge(url, "judge", cache_path=str(tmp_path / "judge.sqlite"), concurrency=4)
-    first = judge.verdicts(prompts(judge))
+    ps = prompts(judge) + server["mixed"]
+    first = judge.verdicts(ps)
     n = len(first)
     assert set(first) == {0.0, 1.0} and judge.failures == 0 and judge.calls == n
-    again = judge.verdicts(prompts(judge))
+    again = judge.verdicts(ps)
     assert again == first and judge.calls == n and judge.cache_hits == n  # all from the cache
     fresh = make_judge(url, "judge", concurrency=1)
-    assert fresh.verdicts(prompts(fresh)) == first  # greedy and constrained: deterministic
+    assert fresh.verdicts(ps) == first  # greedy and constrained: deterministic
 
 
 def test_http_judge_survives_a_server_restart_mid_batch(server):
     url = f"http://127.0.0.1:{server['port']}/v1"
-    reference = make_judge(url, "judge").verdicts(prompts(make_judge(url, "judge")))
+    ps = prompts(make_judge(url, "judge")) + server["mixed"]
+    reference = make_judge(url, "judge").verdicts(ps)
     judge = make_judge(url, "judge", concurrency=2, retries=14, backoff=1.0, timeout=30)
 
     def restart():
@@ -99,7 +123,7 @@ def test_http_judge_survives_a_server_restart_mid_batch(server):
 
     t = threading.Thread(target=restart)
     t.start()
-    got = judge.verdicts(prompts(judge))
+    got = judge.verdicts(ps)
     t.join()
     assert judge.retried > 0 and judge.failures == 0  # the restart was felt, and ridden out
     assert got == reference
@@ -123,7 +147,7 @@ def test_in_process_judge_agrees_with_the_server_on_the_same_model(server, micro
     url = f"http://127.0.0.1:{server['port']}/v1"
     http = make_judge(url, "judge")
     local = make_judge(model=str(micro[2]), hf=True)
-    ps = prompts(http)
+    ps = prompts(http) + server["mixed"]
     verdicts = http.verdicts(ps)
     assert set(verdicts) == {0.0, 1.0} and local.verdicts(ps) == verdicts
 
