@@ -28,8 +28,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
+from answers import last_block, split_segments
 from config import RolloutConfig
-from rewards import last_block, split_segments
 
 TAGS = [
     "<think>", "</think>", "<search>", "</search>",

@@ -47,9 +47,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from answers import exact_match
 from config import Config, ConfigError, DataError, config_to_dict, load_config
 from engine import load_policy, load_tokenizer, make_engine
-from rewards import exact_match, score
+from rewards import score
 from rollout import rollout_batch
 from sft import pad_batch, token_budget_batches, token_logprobs
 

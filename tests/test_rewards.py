@@ -12,17 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from answers import char_f1, exact_match, f1_score, last_block, normalize_answer, parse_response
 from rewards import (
     BapoState,
     bapo,
     bapo_resample_groups,
-    char_f1,
     compute,
-    exact_match,
-    f1_score,
-    last_block,
-    normalize_answer,
-    parse_response,
     parse_spec,
     reliability_metrics,
     score,

@@ -7,7 +7,8 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rewards import RANGES, REWARDS, bapo_resample_groups, compute, parse_response, reliability_metrics
+from answers import parse_response
+from rewards import RANGES, REWARDS, bapo_resample_groups, compute, reliability_metrics
 
 TAGS = ["<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>",
         "</answer>", "<confidence>", "</confidence>", "<tool_call>", "</tool_call>", "<tool_response>",
