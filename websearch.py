@@ -43,6 +43,14 @@ class Atom:
 
     text: str
     phrase: bool = False
+    pattern: re.Pattern | None = None  # phrases: compiled once per query, not once per passage
+    stems: list[str] = field(default_factory=list)  # words: stemmed once per query
+
+    def __post_init__(self):
+        if self.phrase:
+            self.pattern = re.compile(r"(?<!\w)" + re.escape(" ".join(self.text.split())) + r"(?!\w)", re.I)
+        else:
+            self.stems = bm25_tokenize([self.text])[0]
 
 
 @dataclass
@@ -136,9 +144,8 @@ def _atoms(expr, negated: bool) -> list[Atom]:
 def _holds(expr, words: set[str], text: str) -> bool:
     if isinstance(expr, Atom):
         if expr.phrase:
-            return re.search(r"(?<!\w)" + re.escape(" ".join(expr.text.split())) + r"(?!\w)", text, re.I) is not None
-        stems = bm25_tokenize([expr.text])[0]
-        return all(s in words for s in stems)  # a stopword alone constrains nothing
+            return expr.pattern.search(text) is not None
+        return all(s in words for s in expr.stems)  # a stopword alone constrains nothing
     if expr[0] == "not":
         return not _holds(expr[1], words, text)
     results = (_holds(sub, words, text) for sub in expr[1])

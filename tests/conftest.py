@@ -4,6 +4,7 @@ vLLM CPU must start before bm25s/numba is imported in this process (DESIGN.md §
 collected test uses `vllm_engine`, the engine is therefore started first, before any test runs.
 """
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,10 @@ def search_world(tmp_path_factory):
     base = tmp_path_factory.mktemp("search_world")
     write_jsonl(base / "corpus.jsonl", world.corpus)
     return world, base / "corpus.jsonl", build_index(base / "corpus.jsonl", base / "hybrid", "hybrid")
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (for servers the tests start on 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

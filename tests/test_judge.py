@@ -8,7 +8,6 @@ failures, the failure policy, and the two backends agreeing on the same model.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,18 +15,13 @@ import time
 import urllib.request
 
 import pytest
+from conftest import free_port
 
 from judge import JudgeError, make_judge, parse_verdict
 from rewards import compute
 
 INFOS = [f"Doc {i}(Title: P{i}) P{i} was born in the city of C{i}." for i in range(12)]
 THINKS = ["So P was born in C.", "I will search again.", "The passage says nothing.", "C it is."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(policy, port):

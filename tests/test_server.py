@@ -16,18 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from config import RetrieverConfig
 from retriever import load_index, open_search, search
 from server import RetrieverError, http_retrieve
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(index_dir, *extra):
