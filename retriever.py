@@ -458,8 +458,8 @@ def load_index(
     """Open a built index (BM25 arrays and faiss index mmap'd), after checking its corpus.
 
     BM25 scoring (same scores, different speed): "scipy" (default) multiplies a sparse query
-    matrix with bm25s's score arrays, no copy, ~3x bm25s's own "numpy" scorer; "numba" is ~5x
-    faster again but compiles for 10-30 s in every new process (bm25s does not cache it): worth it
+    matrix with bm25s's score arrays, no copy, 1.75x bm25s's own "numpy" scorer end to end; "numba"
+    is ~4x faster again (benchmarks/bench_retriever.py, README "Retriever numbers") but compiles for 10-30 s in every new process (bm25s does not cache it): worth it
     for a long-lived server on a large corpus.
     """
     if bm25_backend not in BM25_BACKENDS:
