@@ -459,8 +459,9 @@ def load_index(
 
     BM25 scoring (same scores, different speed): "scipy" (default) multiplies a sparse query
     matrix with bm25s's score arrays, no copy, 1.75x bm25s's own "numpy" scorer end to end; "numba"
-    is ~4x faster again (benchmarks/bench_retriever.py, README "Retriever numbers") but compiles for 10-30 s in every new process (bm25s does not cache it): worth it
-    for a long-lived server on a large corpus.
+    is ~4x faster again (benchmarks/bench_retriever.py, README "Retriever numbers") but compiles
+    for 10-30 s in every new process (bm25s does not cache it): worth it for a long-lived server
+    on a large corpus.
     """
     if bm25_backend not in BM25_BACKENDS:
         raise ConfigError(f"bm25_backend must be one of {BM25_BACKENDS}, got {bm25_backend!r}")
