@@ -129,6 +129,7 @@ class TrainConfig:
     questions_per_step: int = 16
     group_size: int = 8  # rollouts per question (G)
     lr: float = 2e-4
+    warmup_frac: float = 0.0  # linear lr warm-up over this share of the steps, then constant (Search-R1: 0.285)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     clip_eps: float = 0.2  # epsilon_low of PPO-clip (Search-R1 scripts: 0.2)
@@ -148,6 +149,38 @@ class TrainConfig:
     # for a reward defined outside this repo (README "Fork recipe")
     reward: str = "em"
     reward_params: dict = field(default_factory=dict)  # e.g. {lam: 0.1, zeta: 5}; see rewards.py
+    algo: str = "grpo"  # grpo | ppo (critic + GAE, ppo.py) | rft (rejection-sampling fine-tuning)
+    # Passes over each rollout batch and optimizer steps per pass (BAPO: 2 epochs, batch 64 /
+    # mini-batch 16 = 4). With more than one update, pi_old is recomputed by the trainer.
+    epochs: int = 1
+    mini_batches: int = 1
+    recompute_old_logprobs: bool = False  # pi_old from the trainer even for a single update
+    # Truncated importance correction for the vLLM/trainer mismatch: each token's loss is
+    # weighted by min(pi_trainer_old / pi_vllm, C). 0: off.
+    is_correction: float = 0.0
+    # Lagrangian constraints (Deliberative Searcher Alg. 1, generalised; train.py "Constraints"):
+    # a list of {name, stat, threshold, direction, lambda0, eta, warmup_frac, fixed_lambda,
+    # measure, param}. See configs/tiny_lagrangian.yaml.
+    constraints: list = field(default_factory=list)
+    # PPO (Search-R1 released scripts): critic = value head on its own copy of the base model.
+    critic_lr: float = 1e-5
+    gae_gamma: float = 1.0
+    gae_lambda: float = 1.0
+    value_clip: float = 0.5
+    whiten_advantages: bool = True
+    # BAPO loop: roll out again the groups the reward marks (no correct rollout, no IDK), up to
+    # k more times (BAPO: 2); stage switch after `bapo_patience` evaluations without improvement.
+    resample_groups: int = 0
+    bapo_patience: int = 5
+    # RFT: keep rollouts with reward >= rft_accept, and one IDK rollout for a question with none.
+    rft_accept: float = 1.0
+    # Memory and parallelism (one code path: CPU processes with gloo, GPUs with NCCL).
+    fsdp: bool = False  # shard parameters, gradients and optimizer state across processes
+    bf16: bool = False  # bf16 autocast for forward/backward (master weights stay fp32)
+    grad_checkpointing: bool = False
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
+    cpu_offload: bool = False  # FSDP: parameters and optimizer state live in CPU memory
+    keep_checkpoints: int = 2  # only the latest N checkpoints are kept
     threads: int = 2  # torch CPU threads for the trainer
     eval_every: int = 10
     save_every: int = 10  # checkpoint every N steps (0: only at the end)
@@ -163,6 +196,15 @@ class EvalConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """What `train.py --plan` sizes the run for (no effect on a CPU run)."""
+
+    gpus: int = 8
+    gpu_memory_gb: float = 80.0  # H100 80 GB
+    vllm_memory_fraction: float = 0.5  # colocated vLLM's share of each GPU (gpu_memory_utilization)
+
+
+@dataclass
 class Config:
     world: WorldConfig = field(default_factory=WorldConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -172,6 +214,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
 
 def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
@@ -220,6 +263,8 @@ CHOICES = {
     "retriever.method": ("bm25", "dense", "hybrid"),
     "retriever.bm25_backend": ("scipy", "numpy", "numba"),
     "rollout.engine": ("vllm", "hf"),
+    "train.algo": ("grpo", "ppo", "rft"),
+    "train.optimizer": ("adamw", "adamw8bit"),
 }
 
 

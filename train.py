@@ -34,10 +34,10 @@ per step, plus eval lines), samples/step_<k>.jsonl (rollout records), checkpoint
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -47,10 +47,16 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from answers import exact_match
+from answers import exact_match, parsed
+from checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from config import Config, ConfigError, DataError, config_to_dict, load_config
+from constraints import apply_to_rewards as apply_constraints
+from constraints import batch_statistic, dual_update, parse_constraints, reward_params, switch_on
+from constraints import log_row as constraint_log
+from constraints import restore as restore_constraints
+from constraints import state as constraint_state
 from engine import load_policy, load_tokenizer, make_engine
-from rewards import score
+from rewards import BapoState, bapo_resample_groups, score
 from rollout import rollout_batch
 from sft import pad_batch, token_budget_batches, token_logprobs
 
@@ -149,77 +155,202 @@ def loss_weights(policy_tokens: list[int], mode: str, norm: int) -> list[float]:
     return [1.0 / max(1, sum(policy_tokens))] * n
 
 
-def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad_id: int) -> dict:
-    """One optimizer step on scored rollout records with their `advantage` set."""
-    tcfg = cfg.train
-    seqs, sampled, masks, olds = [], [], [], []
+def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[dict]:
+    """Per rollout, the per-position arrays the loss needs (position t-1 predicts token t, so
+    each has len(prompt + response) - 1 entries):
+
+      ids         prompt + response token ids
+      loss_mask   1 where the loss counts: sampled tokens (mask_retrieved) or the whole response
+      sampled     1 where the engine sampled the token (it has a logprob); 0 on prompt/retrieved
+      engine_logp the engine's logprob of each sampled token (pi_old as vLLM computed it)
+      adv         the advantage of each position (GRPO: the rollout's A_i everywhere; PPO: GAE)
+    """
+    out = []
     for r in records:
         n = len(r["prompt_ids"])
-        seqs.append(r["prompt_ids"] + r["response_ids"])
-        sampled.append([0] * n + r["loss_mask"])  # tokens the engine sampled, with a logprob
-        masks.append(sampled[-1] if tcfg.mask_retrieved else [0] * n + [1] * len(r["response_ids"]))
-        olds.append([0.0] * n + r["logprobs"])
-    n_tokens = sum(sum(m) for m in masks)  # the token-mean denominator for the whole batch
-    weights = loss_weights([sum(m) for m in masks], tcfg.loss_agg, tcfg.loss_norm_tokens or cfg.rollout.max_model_len)
+        sampled = [0] * n + list(r["loss_mask"])
+        loss_mask = sampled if mask_retrieved else [0] * n + [1] * len(r["response_ids"])
+        adv = r["advantages"] if "advantages" in r else [float(r.get("advantage", 0.0))] * (len(sampled) - 1)
+        out.append({
+            "ids": r["prompt_ids"] + r["response_ids"],
+            "loss_mask": torch.tensor(loss_mask[1:], dtype=torch.float32),
+            "sampled": torch.tensor(sampled[1:], dtype=torch.float32),
+            "engine_logp": torch.tensor(([0.0] * n + list(r["logprobs"]))[1:], dtype=torch.float32),
+            "adv": torch.as_tensor(adv, dtype=torch.float32),
+        })  # fmt: skip
+    return out
+
+
+def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int, bf16: bool = False) -> list:
+    """log pi(token t | tokens < t) of every position of every sequence, no gradient: the
+    reference model's logprobs, or pi_old recomputed by the trainer before the first update."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    device = next(model.parameters()).device
+    for idx in token_budget_batches([len(s["ids"]) for s in seqs], micro_batch_tokens, random.Random(0)):
+        ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
+        with torch.no_grad(), _autocast(bf16):
+            logp = token_logprobs(model, ids.to(device), attn.to(device)).float().cpu()
+        for row, i in enumerate(idx):
+            out[i] = logp[row, : len(seqs[i]["ids"]) - 1]
+    return out
+
+
+def _autocast(bf16: bool):
+    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=bf16)
+
+
+def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad_id: int,
+              step: int = 0, rank: int = 0, world: int = 1) -> dict:  # fmt: skip
+    """`epochs` x `mini_batches` optimizer steps on one batch of scored rollouts (`advantage`
+    or per-position `advantages` set). Returns the batch means of loss, KL, clip fraction,
+    entropy, gradient norm.
+
+    pi_old is the engine's sampling logprob for a single on-policy update; with several
+    updates (or `recompute_old_logprobs`) it is recomputed by the trainer before the first one,
+    so the ratio compares trainer with trainer. `is_correction` C then weights each token by
+    min(pi_trainer_old / pi_engine, C) (truncated importance sampling: the engine's numerics
+    differ from the trainer's). With `world` > 1 processes (FSDP), each takes its share of
+    every mini-batch; weights are computed on the whole mini-batch, so the loss does not depend
+    on the number of processes.
+    """
+    tcfg = cfg.train
+    seqs = sequence_tensors(records, tcfg.mask_retrieved)
     kl_coef = 0.0 if tcfg.kl_in_reward else tcfg.kl_coef  # in the reward already (kl_penalties)
+    mbt = tcfg.micro_batch_tokens
+    ref = batch_logprobs(ref_model, seqs, mbt, pad_id, tcfg.bf16) if ref_model is not None and kl_coef > 0 else None
+    updates = tcfg.epochs * tcfg.mini_batches
+    recompute = updates > 1 or tcfg.recompute_old_logprobs or tcfg.is_correction > 0
+    old = batch_logprobs(model, seqs, mbt, pad_id, tcfg.bf16) if recompute else [s["engine_logp"] for s in seqs]
+    is_weight = [torch.ones_like(s["engine_logp"]) for s in seqs]
+    if tcfg.is_correction > 0:
+        is_weight = [torch.exp(o - s["engine_logp"]).clamp(max=tcfg.is_correction) * s["sampled"] + (1 - s["sampled"])
+                     for o, s in zip(old, seqs)]  # fmt: skip
+    rng = random.Random(tcfg.seed * 1000003 + step)  # mini-batch order: a function of the step (exact resume)
+    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    n_tokens_all = 0.0
     model.train()
+    for _ in range(tcfg.epochs):
+        order = list(range(len(seqs)))
+        if tcfg.mini_batches > 1:
+            rng.shuffle(order)
+        for part in range(tcfg.mini_batches):
+            mini = order[part :: tcfg.mini_batches]
+            stats = _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_id, kl_coef, rank, world)
+            for key in totals:
+                totals[key] += stats[key] / updates
+            n_tokens_all += stats["policy_tokens"] / updates
+    model.eval()
+    return totals | {"policy_tokens": n_tokens_all}
+
+
+def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_id, kl_coef, rank, world) -> dict:
+    """One optimizer step on the mini-batch `mini` (indices into seqs); this process does the
+    micro-batches of its share, padded with zero-weight repeats so every process runs the same
+    number of forward passes (FSDP's collectives must line up)."""
+    tcfg = cfg.train
+    device = next(model.parameters()).device
+    counts = [float(seqs[i]["loss_mask"].sum()) for i in mini]
+    n_tokens = sum(counts)  # the token-mean denominator of the whole mini-batch
+    norm = tcfg.loss_norm_tokens or cfg.rollout.max_model_len
+    weight = dict(zip(mini, loss_weights([int(c) for c in counts], tcfg.loss_agg, norm)))
+    share = mini[rank::world]
+    lengths = [len(seqs[i]["ids"]) for i in share]
+    micro = [[share[j] for j in b] for b in token_budget_batches(lengths, tcfg.micro_batch_tokens, random.Random(0))]
+    n_micro = int(_all_reduce(torch.tensor(float(len(micro))), world, "max"))
+    runs = [(idx, 1.0) for idx in micro] + [(micro[0] if micro else mini[:1], 0.0)] * (n_micro - len(micro))
     optimizer.zero_grad(set_to_none=True)
-    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
-    for idx in token_budget_batches([len(s) for s in seqs], tcfg.micro_batch_tokens, random.Random(0)):
-        ids, attn, mask = pad_batch([seqs[i] for i in idx], [masks[i] for i in idx], pad_id)
-        was_sampled = _pad_float([sampled[i] for i in idx], ids.shape[1])[:, 1:]
-        old = _pad_float([olds[i] for i in idx], ids.shape[1])[:, 1:]
-        m = mask[:, 1:]  # position t-1 predicts token t
-        w = torch.tensor([weights[i] for i in idx])[:, None]
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        logp_all = torch.log_softmax(logits, -1)
+    sums = torch.zeros(4)  # loss, kl, clipped, entropy: sums over policy tokens
+    for idx, real in runs:
+        width = max(len(seqs[i]["ids"]) for i in idx)
+        ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
+        ids, attn = ids.to(device), attn.to(device)
+        m = _pad([seqs[i]["loss_mask"] for i in idx], width - 1).to(device)
+        # x world: FSDP averages gradients over processes; x real: a padding repeat adds nothing
+        w = torch.tensor([weight[i] for i in idx], device=device)[:, None] * world * real
+        with _autocast(tcfg.bf16):
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp_all = torch.log_softmax(logits.float(), -1)
         logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        # Retrieved tokens were never sampled, so the engine has no logprob for them; in the
-        # no-mask ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
-        old_logp = torch.where(was_sampled > 0, old, logp.detach())
-        ref_logp = None
-        if ref_model is not None and kl_coef > 0:
-            with torch.no_grad():
-                ref_logp = token_logprobs(ref_model, ids, attn)
-        adv = torch.tensor([records[i]["advantage"] for i in idx])[:, None].expand_as(logp)
+        sampled = _pad([seqs[i]["sampled"] for i in idx], width - 1).to(device)
+        # Retrieved tokens were never sampled, so there is no pi_old for them; in the no-mask
+        # ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
+        old_logp = torch.where(sampled > 0, _pad([old[i] for i in idx], width - 1).to(device), logp.detach())
+        ref_logp = _pad([ref[i] for i in idx], width - 1).to(device) if ref is not None else None
+        adv = _pad([seqs[i]["adv"] for i in idx], width - 1).to(device)
         tok_loss, kl, clipped = grpo_token_loss(
             logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip, tcfg.kl_estimator
         )
+        tok_loss = tok_loss * _pad([is_weight[i] for i in idx], width - 1).to(device)
         with torch.set_grad_enabled(tcfg.entropy_coef > 0):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         loss = ((tok_loss - tcfg.entropy_coef * entropy) * m * w).sum()
         loss.backward()
         with torch.no_grad():
-            for key, value in (("loss", tok_loss), ("kl", kl), ("clip_frac", clipped), ("entropy", entropy)):
-                totals[key] += float((value * m).sum() / n_tokens)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            for j, value in enumerate((tok_loss, kl, clipped, entropy)):
+                sums[j] += float((value * m).sum()) * real
+    sums = _all_reduce(sums, world, "sum")
+    grad_norm = _clip_grad_norm(model, tcfg.grad_clip)
     optimizer.step()
-    model.eval()
-    return totals | {"grad_norm": float(grad_norm), "policy_tokens": n_tokens}
+    denom = max(n_tokens, 1.0)
+    return {"loss": float(sums[0]) / denom, "kl": float(sums[1]) / denom, "clip_frac": float(sums[2]) / denom,
+            "entropy": float(sums[3]) / denom, "grad_norm": grad_norm, "policy_tokens": n_tokens}  # fmt: skip
+
+
+def _all_reduce(x: torch.Tensor, world: int, op: str) -> torch.Tensor:
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    y = x.clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return y.cpu()
+
+
+def _clip_grad_norm(model, max_norm: float) -> float:
+    """Clip the global gradient norm; under FSDP2 the norm is a DTensor over all shards."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def memory_savers(model, cfg: Config):
+    """Gradient checkpointing by config: keep only each layer's input and recompute the rest in
+    the backward pass (about a third more compute for a fraction of the activation memory)."""
+    if cfg.train.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):
+    """AdamW, or bitsandbytes' 8-bit AdamW (1 byte per moment instead of 4; it steps on CPU too)."""
+    if kind == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up over `warmup_frac` of the steps, then constant (Search-R1's schedule). A
+    function of the step, so a resumed run needs no scheduler state."""
+    warm = cfg.train.warmup_frac * cfg.train.steps
+    return cfg.train.lr * min(1.0, (step + 1) / warm) if warm >= 1 else cfg.train.lr
 
 
 def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[float]:
     """sum_t m_t KL_t(pi_old || ref) per rollout, with pi_old the engine's sampling logprobs: what
     `kl_in_reward` subtracts from the reward (times kl_coef) before the advantages."""
-    out = [0.0] * len(records)
-    seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
-    masks = [[0] * len(r["prompt_ids"]) + r["loss_mask"] for r in records]
-    for idx in token_budget_batches([len(s) for s in seqs], cfg.train.micro_batch_tokens, random.Random(0)):
-        ids, attn, mask = pad_batch([seqs[i] for i in idx], [masks[i] for i in idx], pad_id)
-        old = _pad_float([[0.0] * len(records[i]["prompt_ids"]) + records[i]["logprobs"] for i in idx], ids.shape[1])
-        with torch.no_grad():
-            ref = token_logprobs(ref_model, ids, attn)
-        kl = kl_estimate(old[:, 1:], ref, cfg.train.kl_estimator) * mask[:, 1:]
-        for row, i in enumerate(idx):
-            out[i] = float(kl[row].sum())
-    return out
-
-
-def _pad_float(rows: list[list[float]], width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out
+    seqs = sequence_tensors(records)
+    ref = batch_logprobs(ref_model, seqs, cfg.train.micro_batch_tokens, pad_id, cfg.train.bf16)
+    return [float((kl_estimate(s["engine_logp"], r, cfg.train.kl_estimator) * s["sampled"]).sum())
+            for s, r in zip(seqs, ref)]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,45 +432,72 @@ def new_run_dir(cfg: Config) -> Path:
     return run
 
 
-def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, keep: int = 2) -> None:
-    ckpt = run / "checkpoints" / f"step_{step}"
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict()}, tmp / "trainer_state.pt")
-    shutil.rmtree(ckpt, ignore_errors=True)
-    tmp.rename(ckpt)  # a checkpoint directory exists only once it is complete
-    for old in sorted(ckpt.parent.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]:
-        if not old.name.endswith(".tmp"):
-            shutil.rmtree(old)
-
-
-def latest_checkpoint(run: Path) -> Path | None:
-    done = [p for p in (run / "checkpoints").glob("step_*") if not p.name.endswith(".tmp")]
-    return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
-
-
 def log(run: Path, row: dict) -> None:
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def batch_metrics(records: list[dict]) -> dict:
-    """Batch means; EM and answered-rate whatever the reward, plus each numeric reward component
-    as `reward/<name>` (the reward's own parts, rewards.py)."""
+    """Batch means; EM, IDK rate and answered-rate whatever the reward, plus each numeric reward
+    component as `reward/<name>` (the reward's own parts, rewards.py)."""
     n = len(records)
     row = {
         "reward": sum(r["reward"] for r in records) / n,
         "em": sum(exact_match(r["answer"], r["golden_answers"]) for r in records) / n,
+        "idk_rate": sum(parsed(r).idk for r in records) / n,
         "format_ok": sum(r["finish"] == "answer" for r in records) / n,
         "response_len": sum(sum(r["loss_mask"]) for r in records) / n,
         "searches_per_question": sum(r["num_searches"] for r in records) / n,
     }
-    for key, value in records[0]["reward_components"].items():
-        if isinstance(value, (int, float)) and key != "reward":
-            row[f"reward/{key}"] = sum(float(r["reward_components"].get(key, 0.0)) for r in records) / n
+    keys = {k for r in records for k, v in r["reward_components"].items() if isinstance(v, (int, float))}
+    for key in sorted(keys - {"reward"}):
+        row[f"reward/{key}"] = sum(float(r["reward_components"].get(key, 0.0)) for r in records) / n
     return row
+
+
+# ---------------------------------------------------------------------------------------------
+# The BAPO loop (resampling, stage) and Reliable RFT.
+
+
+def resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg: Config, step: int) -> tuple:
+    """BAPO §4.2: roll out again, up to `resample_groups` times, the groups with no correct
+    rollout and no IDK (rewards.bapo_resample_groups), replacing them. Returns (records, count)."""
+    count = 0
+    for attempt in range(1, cfg.train.resample_groups + 1):
+        marked = set(bapo_resample_groups(records))
+        if not marked:
+            break
+        again = [q for q in questions if cfg.data.name + ":" + str(q["id"]) in marked]
+        fresh = rollout_batch(
+            engine, tokenizer, again, cfg.train.group_size, search_fn, cfg.rollout,
+            seed=cfg.train.seed * 100003 + step + 1_000_000 * attempt, group_prefix=cfg.data.name + ":",
+        )  # fmt: skip
+        records = [r for r in records if str(r["group_id"]) not in marked] + fresh
+        count += len(marked)
+    return records, count
+
+
+def rft_select(records: list[dict], accept: float) -> list[dict]:
+    """Reliable RFT (BAPO's baseline): keep the rollouts the reward accepts (reward >= accept);
+    for a question with none, keep one that says "I don't know" if there is one."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(str(r["group_id"]), []).append(r)
+    kept = []
+    for rs in groups.values():
+        good = [r for r in rs if r["reward"] >= accept]
+        kept += good or [r for r in rs if parsed(r).idk][:1]
+    return kept
+
+
+def rft_step(model, records: list[dict], optimizer, cfg: Config, pad_id: int, step: int) -> dict:
+    """Fine-tune on the kept rollouts: the policy loss with A = 1 and pi_old recomputed (= pi_theta),
+    whose gradient at the first update is the token-mean NLL gradient of the kept policy tokens."""
+    for r in records:
+        r["advantage"] = 1.0
+    sft_cfg = copy.deepcopy(cfg)
+    sft_cfg.train.recompute_old_logprobs, sft_cfg.train.kl_coef, sft_cfg.train.is_correction = True, 0.0, 0.0
+    return grpo_step(model, None, records, optimizer, sft_cfg, pad_id, step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +508,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
 
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(cfg.train.threads)
+    constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
     if cfg.data.corpus or cfg.data.train:
         data_paths(cfg)  # given files: fail on a bad path before building anything
     start_dir = resume_from or ensure_policy(cfg, run)
@@ -360,31 +519,51 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
     timings: dict[str, float] = {}
     search_fn = make_search_fn(cfg, paths["corpus"], timings)
-    model = load_policy(start_dir).eval()
+    model = memory_savers(load_policy(start_dir).eval(), cfg)
     ref = None
-    if cfg.train.kl_coef > 0:  # the frozen reference is the starting policy (SFT), not a checkpoint
+    if cfg.train.kl_coef > 0 and cfg.train.algo != "rft":  # the frozen reference is the starting policy
         ref = load_policy(ensure_policy(cfg, run) if resume_from else start_dir).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
+    critic = critic_opt = None
+    if cfg.train.algo == "ppo":
+        from ppo import critic_optimizer, load_critic
+
+        critic = load_critic(resume_from / "critic" if resume_from else start_dir)
+        critic_opt = critic_optimizer(critic, cfg.train.critic_lr)
+    bapo = BapoState(patience=cfg.train.bapo_patience) if "bapo" in cfg.train.reward else None
+    rng = random.Random(cfg.train.seed)  # the question order
+    order: list[int] = []
     step0 = 0
     if resume_from is not None:
-        state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+        state = load_trainer_state(resume_from, run)
         optimizer.load_state_dict(state["optimizer"])
-        step0 = state["step"]
-        _truncate_metrics(run, step0)
+        if critic_opt is not None:
+            critic_opt.load_state_dict(state["critic_optimizer"])
+        step0, order = state["step"], state["order"]
+        rng.setstate(state["data_rng"])
+        restore_constraints(constraints, state["constraints"])
+        if bapo is not None:
+            bapo.__dict__.update(state["bapo"])
         print(f"resumed from {resume_from} at step {step0}", flush=True)
     val_subset = val_q[: cfg.eval.max_questions] if cfg.eval.max_questions else val_q
+
+    def run_eval() -> dict:
+        val_records: list[dict] = []
+        ev = evaluate(engine, tokenizer, val_subset, search_fn, cfg, val_records)
+        score(val_records, cfg.train.reward, reward_params(constraints, cfg.train.reward_params))
+        return ev | {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
+
     if step0 == 0 and cfg.train.eval_every > 0:
-        ev = evaluate(engine, tokenizer, val_subset, search_fn, cfg)
+        ev = run_eval()
         log(run, {"step": 0, "eval": ev})
         print(f"step 0 eval: {json.dumps(ev)}", flush=True)
-    rng = random.Random(cfg.train.seed)
-    order: list[int] = []
-    for _ in range(step0):  # replay the question order so a resumed run sees the same batches
-        order = _next_batch(order, len(train_q), cfg.train.questions_per_step, rng)[1]
-    bar = tqdm(range(step0, cfg.train.steps), desc="grpo", initial=step0, total=cfg.train.steps)
+    bar = tqdm(range(step0, cfg.train.steps), desc=cfg.train.algo, initial=step0, total=cfg.train.steps)
     ev = {}
     for step in bar:
         timings.clear()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        switch_on(constraints, step, cfg.train.steps)
         batch_idx, order = _next_batch(order, len(train_q), cfg.train.questions_per_step, rng)
         questions = [train_q[i] for i in batch_idx]
         t0 = time.time()
@@ -392,40 +571,100 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             engine, tokenizer, questions, cfg.train.group_size, search_fn, cfg.rollout,
             seed=cfg.train.seed * 100003 + step, group_prefix=cfg.data.name + ":",
         )  # fmt: skip
+        resampled = 0
+        if cfg.train.resample_groups > 0:
+            records, resampled = resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg, step)
         t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
         t0 = time.time()
-        score(records, cfg.train.reward, cfg.train.reward_params)
-        if cfg.train.kl_in_reward and ref is not None and cfg.train.kl_coef > 0:
+        params = reward_params(constraints, cfg.train.reward_params)
+        if bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
+            params |= {"stage": bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
+        score(records, cfg.train.reward, params)
+        apply_constraints(constraints, records)
+        for c in constraints:
+            if c.measure == "train":
+                dual_update(c, batch_statistic(c.stat, records))
+        if cfg.train.kl_in_reward and ref is not None and cfg.train.algo == "grpo":
             for r, kl in zip(records, kl_penalties(ref, records, cfg, tokenizer.pad_token_id)):
                 r["kl_penalty"] = kl
                 r["reward"] -= cfg.train.kl_coef * kl
-        advantages = group_advantages(
-            [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
-        )
-        for r, a in zip(records, advantages):
-            r["advantage"] = a
         t_reward = time.time() - t0
         t0 = time.time()
-        stats = grpo_step(model, ref, records, optimizer, cfg, tokenizer.pad_token_id)
+        if cfg.train.algo == "rft":
+            kept = rft_select(records, cfg.train.rft_accept)
+            stats = rft_step(model, kept, optimizer, cfg, tokenizer.pad_token_id, step) if kept else {}
+            stats["rft_kept"] = len(kept) / len(records)
+        elif cfg.train.algo == "ppo":
+            stats = ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg, tokenizer.pad_token_id, step)
+        else:
+            advantages = group_advantages(
+                [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
+            )
+            for r, a in zip(records, advantages):
+                r["advantage"] = a
+            stats = grpo_step(model, ref, records, optimizer, cfg, tokenizer.pad_token_id, step)
         t_train = time.time() - t0
         t0 = time.time()
         engine.load_weights(model.state_dict().items())
         t_sync = time.time() - t0
         gen_tokens = sum(sum(r["loss_mask"]) for r in records)
-        row = {"step": step + 1} | batch_metrics(records) | stats | {
+        row = {"step": step + 1} | batch_metrics(records) | stats | constraint_log(constraints) | {
+            "lr": lr_at(step, cfg),
             "tokens_per_s": gen_tokens / max(t_generate, 1e-9),
             "time": {"generate": t_generate, "retrieve": timings.get("retrieve", 0.0),
                      "reward": t_reward, "train": t_train, "sync": t_sync},
         }  # fmt: skip
+        if cfg.train.resample_groups > 0:
+            row["resampled_groups"] = resampled
+        if bapo is not None:
+            row |= {"bapo_stage": bapo.stage, f"idk_rate/{bapo.stage}": row["idk_rate"]}
         _write_samples(run, step + 1, records[: cfg.train.samples_per_step])
         if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
-            ev = evaluate(engine, tokenizer, val_subset, search_fn, cfg)
+            ev = run_eval()
             row["eval"] = ev
+            for c in constraints:
+                if c.measure == "val":
+                    dual_update(c, float(ev.get(c.stat, ev.get(c.stat.removeprefix("reward/"), 0.0))))
+            if bapo is not None:
+                bapo.update(ev["em"])  # the validation score whose plateau switches the stage
         log(run, row)
         bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
         if (cfg.train.save_every > 0 and (step + 1) % cfg.train.save_every == 0) or step + 1 == cfg.train.steps:
-            save_checkpoint(run, step + 1, model, tokenizer, optimizer)
+            trainer_state = {
+                "optimizer": optimizer.state_dict(), "order": order, "data_rng": rng.getstate(),
+                "constraints": constraint_state(constraints), "bapo": vars(bapo) if bapo else None,
+                "critic_optimizer": critic_opt.state_dict() if critic_opt else None,
+            }  # fmt: skip
+            save_checkpoint(run, step + 1, model, tokenizer, trainer_state, cfg.train.keep_checkpoints, critic)
     return ev
+
+
+def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, pad_id: int, step: int) -> dict:
+    """PPO (Search-R1's best runs, ppo.py): token rewards (the score on the last policy token,
+    minus kl_coef x k1 KL to the reference on every policy token when kl_in_reward), GAE over
+    policy tokens with the critic's values, whitened advantages; then the clipped policy step
+    and one critic step on the returns."""
+    from ppo import critic_step, critic_values, ppo_advantages
+
+    tcfg = cfg.train
+    values = critic_values(critic, records, tcfg.micro_batch_tokens, pad_id)
+    kls = None
+    if tcfg.kl_in_reward and ref is not None:
+        seqs = sequence_tensors(records, tcfg.mask_retrieved)
+        ref_lp = batch_logprobs(ref, seqs, tcfg.micro_batch_tokens, pad_id, tcfg.bf16)
+        kls = [kl_estimate(s["engine_logp"], r, tcfg.kl_estimator) * s["sampled"] for s, r in zip(seqs, ref_lp)]
+    advantages, returns = ppo_advantages(
+        records, values, [r["reward"] for r in records], kls, tcfg.kl_coef, tcfg.gae_gamma, tcfg.gae_lambda,
+        tcfg.whiten_advantages, tcfg.mask_retrieved,
+    )  # fmt: skip
+    for r, adv in zip(records, advantages):
+        r["advantages"] = adv.tolist()
+    stats = grpo_step(model, ref, records, optimizer, cfg, pad_id, step)
+    for r in records:
+        del r["advantages"]  # per-token lists would bloat samples/*.jsonl
+    critic_stats = critic_step(critic, critic_opt, records, values, returns, tcfg.value_clip,
+                               tcfg.micro_batch_tokens, pad_id, tcfg.grad_clip, tcfg.mask_retrieved)  # fmt: skip
+    return stats | critic_stats
 
 
 def _next_batch(order: list[int], n: int, k: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -437,20 +676,11 @@ def _next_batch(order: list[int], n: int, k: int, rng: random.Random) -> tuple[l
     return order[:k], order[k:]
 
 
-def _truncate_metrics(run: Path, step: int) -> None:
-    """Drop metric rows written after the checkpoint we resume from (they will be redone)."""
-    path = run / "metrics.jsonl"
-    if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
-
-
 def _write_samples(run: Path, step: int, records: list[dict]) -> None:
     (run / "samples").mkdir(exist_ok=True)
     with open(run / "samples" / f"step_{step}.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+        for r in records:  # without private caches such as answers.parsed's "_parsed"
+            f.write(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -465,7 +695,18 @@ def main(argv: list[str] | None = None) -> None:
         help="override one config key, e.g. --set train.lr=1e-4 (repeatable; unknown keys are errors)",
     )  # fmt: skip
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    parser.add_argument(
+        "--plan", action="store_true",
+        help="print the per-GPU memory plan for this config (hardware.*) and whether it fits; loads no model",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.plan:
+        from plan import print_plan
+
+        try:
+            sys.exit(0 if print_plan(load_config(args.config, args.set)) else 1)
+        except (ConfigError, FileNotFoundError) as e:
+            parser.error(str(e))
     try:
         if args.resume:
             run = Path(args.resume)
@@ -475,6 +716,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(f"no checkpoint to resume in {run / 'checkpoints'}")
         else:
             cfg = load_config(args.config, args.set)
+            parse_constraints(cfg.train.constraints)
             run, ckpt = new_run_dir(cfg), None
     except (ConfigError, FileNotFoundError) as e:
         parser.error(str(e))

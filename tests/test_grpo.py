@@ -146,3 +146,82 @@ def test_kl_in_reward_sums_the_estimate_over_policy_tokens(tmp_path):
     cfg.train.kl_estimator = "k3"
     k3 = math.exp(-0.1) + 0.1 - 1
     assert kl_penalties(model, [record], cfg, tok.pad_token_id)[0] == pytest.approx(k3 * sum(mask), rel=1e-3)
+
+
+def _records_with(model, tok, engine_shift: float, advantages=(1.0, -1.0, 0.5, -0.5)):
+    """Rollouts whose engine logprobs are the model's own + engine_shift (a vLLM/trainer gap)."""
+    from sft import pad_batch, token_logprobs
+
+    records = []
+    for k, adv in enumerate(advantages):
+        ids = tok.encode(f"<think> P{k} was born in the city of C{k}.</think>", add_special_tokens=False)
+        a, b = pad_batch([ids], [[1] * len(ids)], tok.pad_token_id)[:2]
+        with torch.no_grad():
+            true = token_logprobs(model, a, b)[0].tolist()
+        records.append({"prompt_ids": ids[:3], "response_ids": ids[3:], "loss_mask": [1] * len(ids[3:]),
+                        "logprobs": [lp + engine_shift for lp in true[2:]], "advantage": adv,
+                        "group_id": "q"})  # fmt: skip
+    return records
+
+
+def test_old_logprobs_recomputed_by_the_trainer_and_importance_correction(tmp_path):
+    from test_masking import setup
+
+    from train import grpo_step
+
+    tok, cfg, model, _ = setup(tmp_path)
+    cfg.train.kl_coef = 0.0
+    frozen = torch.optim.SGD(model.parameters(), lr=0.0)
+    records = _records_with(model, tok, engine_shift=-0.5, advantages=(1.0,))
+    # pi_old from the engine: ratio = exp(0.5) = 1.65 > 1.2, so every token clips
+    assert grpo_step(model, None, records, frozen, cfg, tok.pad_token_id)["clip_frac"] == pytest.approx(1.0)
+    cfg.train.recompute_old_logprobs = True  # pi_old from the trainer: ratio 1, loss = -A
+    stats = grpo_step(model, None, records, frozen, cfg, tok.pad_token_id)
+    assert stats["clip_frac"] == 0.0 and stats["loss"] == pytest.approx(-1.0, abs=1e-5)
+    # truncated importance weight min(pi_trainer / pi_engine, C) = min(e^0.5, C)
+    for cap, weight in ((1.2, 1.2), (3.0, math.exp(0.5))):
+        cfg.train.is_correction = cap
+        loss = grpo_step(model, None, records, frozen, cfg, tok.pad_token_id)["loss"]
+        assert loss == pytest.approx(-weight, rel=1e-4)
+
+
+def test_epochs_times_mini_batches_optimizer_steps(tmp_path):
+    from test_masking import setup
+
+    from train import grpo_step
+
+    tok, cfg, model, _ = setup(tmp_path)
+    cfg.train.kl_coef = 0.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps = []
+    original = opt.step
+    opt.step = lambda *a, **k: (steps.append(1), original(*a, **k))[1]
+    records = _records_with(model, tok, engine_shift=0.0)
+    cfg.train.epochs, cfg.train.mini_batches = 2, 2
+    stats = grpo_step(model, None, records, opt, cfg, tok.pad_token_id)
+    assert len(steps) == 4
+    assert 0.0 < stats["clip_frac"] < 1.0  # later updates move off-policy and some tokens clip
+
+
+def test_lr_warmup_is_linear_then_constant():
+    from config import load_config
+    from train import lr_at
+
+    cfg = load_config(None, ["train.steps=10", "train.warmup_frac=0.5", "train.lr=1.0"])
+    assert [lr_at(s, cfg) for s in (0, 1, 4, 9)] == [0.2, 0.4, 1.0, 1.0]
+    cfg.train.warmup_frac = 0.0
+    assert lr_at(0, cfg) == 1.0
+
+
+def test_rft_keeps_accepted_rollouts_and_one_idk_when_none_is_correct():
+    from train import rft_select
+
+    def rec(group, reward, answer):
+        return {"group_id": group, "reward": reward, "response": f"<think>x</think><answer>{answer}</answer>"}
+
+    records = [rec("a", 1.0, "Paris"), rec("a", 0.0, "Rome"), rec("a", 1.0, "Paris"),
+               rec("b", 0.0, "Rome"), rec("b", 0.0, "I don't know"), rec("b", 0.0, "I don't know"),
+               rec("c", 0.0, "Rome")]  # fmt: skip
+    kept = rft_select(records, accept=1.0)
+    assert [(r["group_id"], r["reward"]) for r in kept] == [("a", 1.0), ("a", 1.0), ("b", 0.0)]
+    assert "don't know" in kept[2]["response"]

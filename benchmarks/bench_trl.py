@@ -1,0 +1,527 @@
+"""Cross-check against a peer: our GRPO loss, gradients, KL and advantages against TRL's own code.
+
+    python benchmarks/bench_trl.py          # installs TRL into benchmarks/bench_cache/trl_pkgs on first run
+
+TRL (PINNED below) is never a dependency of the project: on first run the script installs it with
+`pip install --no-deps --target benchmarks/bench_cache/trl_pkgs` (gitignored), together with the
+packages `trl.trainer.grpo_trainer` imports at module level that the venv lacks (datasets and its
+pandas / pyarrow / xxhash / multiprocess), and appends that directory to the end of sys.path so
+it can never shadow the venv's torch or transformers.
+
+Fixed inputs (seed 0): a tiny random Qwen2 (vocab 64, 2 layers), a reference model = the policy
+with perturbed weights, Q = 5 questions x G = 4 rollouts, prompts of 6 tokens, responses of 8-28
+tokens with retrieved-token holes (loss_mask 0, TRL's `tool_mask` 0), old logprobs = current
+logprobs + N(0, 0.3) noise (so ratios != 1 and about half the tokens lie outside the clip range),
+eps_low = 0.2, eps_high = 0.28 (clip-higher), beta = 0 and 0.04, rewards with a tie-only group.
+
+Ours, three ways:
+  fns (fp64)       train.py's pure functions combined exactly as `_policy_update` (called by
+                   `grpo_step`) combines them: logits[:, :-1] -> log_softmax -> gather; old =
+                   where(sampled, old, logp.detach()); grpo_token_loss; w = loss_weights(...);
+                   loss = (tok_loss * m * w).sum(); backward. Replicated here (those lines are
+                   inside grpo_step) in float64; grpo_step casts logits to float32.
+  grpo_step (fp32) train.grpo_step itself, unchanged, several micro-batches (micro_batch_tokens
+                   = 120), an SGD(lr=0) optimizer and grad_clip = 1e30 (clip factor exactly 1);
+                   its gradients are read from the parameters afterwards.
+  group_advantages train.group_advantages on the rewards.
+TRL, its own code on the same float64 model and tensors:
+  loss, gradient   GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py) on a GRPOTrainer made
+                   with object.__new__ and given the attributes __init__ derives from a real
+                   GRPOConfig; the model carries TRL's fused LM head (trl.trainer.utils.
+                   add_fused_lm_head), as GRPOTrainer.__init__ installs it, so TRL computes the
+                   per-token logprobs and their backward itself.
+  KL, advantages   their code sits inline in _compute_loss / _generate_and_score_completions, so
+                   those statements are cut out of the installed source with inspect (start and
+                   end markers; the script stops if they are missing) and executed unchanged.
+Mode pairs: token-mean <-> dapo and bnpo, seq-mean-token-mean <-> grpo, seq-mean-token-sum-norm
+(loss_norm_tokens = 32) <-> dr_grpo (max_completion_length = 32).
+
+Error = max |ours - TRL| over the compared elements, rel = that / max |TRL|. PASS at rel <= 1e-6
+for float64 rows, <= 1e-5 for float32 rows (grpo_step, sft.token_logprobs). DIFF = a documented
+convention difference, shown next to the aligned check that passes (a DIFF row that does not
+differ is a FAIL: the probe no longer shows the convention). Exit code 1 on any FAIL.
+
+Result (2026-11-22, `.venv/bin/python benchmarks/bench_trl.py`, trl 1.16.0, transformers 5.19.0,
+torch 2.13.0+cpu, 2 cores):
+
+RESULT_TABLE
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+T0 = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TARGET = ROOT / "benchmarks" / "bench_cache" / "trl_pkgs"
+TRL_VERSION = "1.16.0"  # needs transformers >= 4.56.2 (its METADATA); 5.19.0 here
+PINNED = [f"trl=={TRL_VERSION}", "datasets==5.2.0", "pandas==3.1.1", "pyarrow==26.0.1", "xxhash==4.1.0",
+          "multiprocess==0.70.19", "python-dateutil==4.0.0", "tzdata==2026.6", "pytz==2026.6",
+          "six==1.17.0"]  # fmt: skip
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+
+import train  # noqa: E402
+from config import Config  # noqa: E402
+from sft import pad_batch, token_logprobs  # noqa: E402
+from train import group_advantages, grpo_step, grpo_token_loss, kl_estimate, loss_weights, sequence_tensors  # noqa: E402
+
+V, P, G, Q, MAXC, PAD = 64, 6, 4, 5, 32, 0
+EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
+MODES = [("token-mean", "dapo"), ("token-mean", "bnpo"), ("seq-mean-token-mean", "grpo"),
+         ("seq-mean-token-sum-norm", "dr_grpo")]  # fmt: skip
+ROWS: list[tuple] = []
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL: install into the cache, import, and a GRPOTrainer with only what _compute_loss reads.
+
+
+def import_trl():
+    if not (TARGET / f"trl-{TRL_VERSION}.dist-info").is_dir():
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(TARGET), *PINNED]
+        print("installing TRL for this check only (not into the venv):\n  " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    sys.path.append(str(TARGET))  # last: never shadows the venv's torch / transformers
+    warnings.filterwarnings("ignore", message=".*vLLM versions.*")
+    trl = importlib.import_module("trl")
+    assert trl.__version__ == TRL_VERSION, (trl.__version__, trl.__file__)
+    return trl, importlib.import_module("trl.trainer.grpo_trainer"), importlib.import_module("trl.trainer.utils")
+
+
+def trl_snippet(fn, first: str, last: str) -> str:
+    """The statements of `fn` from the line starting with `first` to the one starting with `last`."""
+    lines = inspect.getsource(fn).splitlines()
+    starts = [k for k, s in enumerate(lines) if s.strip().startswith(first)]
+    if not starts:
+        sys.exit(f"marker {first!r} not found in {fn.__qualname__}: TRL's code changed, update the benchmark")
+    ends = [k for k in range(starts[0], len(lines)) if lines[k].strip().startswith(last)]
+    if not ends:
+        sys.exit(f"marker {last!r} not found in {fn.__qualname__}: TRL's code changed, update the benchmark")
+    return textwrap.dedent("\n".join(lines[starts[0] : ends[0] + 1]))
+
+
+def make_trainer(gt, model, loss_type="dapo", beta=BETA, bias_kl=False, scale_rewards="group", accum=1):
+    args = gt.GRPOConfig(
+        output_dir=tempfile.gettempdir(), use_cpu=True, report_to="none", loss_type=loss_type, beta=beta,
+        epsilon=EPS_LOW, epsilon_high=EPS_HIGH, use_bias_correction_kl=bias_kl, scale_rewards=scale_rewards,
+        max_completion_length=MAXC, num_generations=G, per_device_train_batch_size=G * Q,
+        gradient_accumulation_steps=accum,
+    )  # fmt: skip
+    t = object.__new__(gt.GRPOTrainer)
+    # a real (single-process CPU) Accelerator, made after the config: TrainingArguments resets accelerate's state
+    t.args, t.model, t.accelerator = args, model, Accelerator(cpu=True, mixed_precision="no")
+    # As GRPOTrainer.__init__ sets them from args (grpo_trainer.py, "Training arguments" onwards)
+    t.max_completion_length, t.num_generations, t.temperature = args.max_completion_length, G, args.temperature
+    t.use_vllm, t.vllm_importance_sampling_correction = args.use_vllm, args.vllm_importance_sampling_correction
+    t.loss_type, t.multi_objective_aggregation = args.loss_type, args.multi_objective_aggregation
+    t.aux_loss_enabled = False  # not a mixture-of-experts model
+    t.scale_rewards, t.importance_sampling_level = args.scale_rewards, args.importance_sampling_level
+    t.off_policy_mask_threshold, t.top_entropy_quantile = args.off_policy_mask_threshold, args.top_entropy_quantile
+    t.entropy_coef, t.use_adaptive_entropy = args.entropy_coef, args.use_adaptive_entropy
+    t._entropy_bonus_enabled = t.entropy_coef != 0.0 or t.use_adaptive_entropy
+    t.epsilon_low = args.epsilon
+    t.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    t.beta = args.beta
+    t.reward_weights = torch.ones(1)  # one reward function
+    t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    t.current_gradient_accumulation_steps = accum  # set by transformers.Trainer's training loop
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed inputs.
+
+
+def tiny_models():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
+    cfg._attn_implementation = "eager"
+    policy = transformers.Qwen2ForCausalLM(cfg).eval()
+    ref = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return policy, ref
+
+
+def make_records(rng: torch.Generator) -> list[dict]:
+    rewards = [[1, 0, 0, 1], [0.5, 0.25, 1, 0], [1, 1, 1, 1], [0, 0, 1, 0], [0.1, 0.7, 0.35, 0.9]]
+    records = []
+    for q in range(Q):
+        prompt = torch.randint(1, V, (P,), generator=rng).tolist()
+        for g in range(G):
+            n = int(torch.randint(8, 29, (1,), generator=rng))
+            mask = [1] * n
+            if torch.rand(1, generator=rng) < 0.7:  # a retrieved block: tokens the policy never sampled
+                start = int(torch.randint(2, n - 4, (1,), generator=rng))
+                hole = int(torch.randint(3, 7, (1,), generator=rng))
+                mask[start : start + hole] = [0] * len(mask[start : start + hole])
+            records.append({"prompt_ids": prompt, "response_ids": torch.randint(1, V, (n,), generator=rng).tolist(),
+                            "loss_mask": mask, "group_id": f"q{q}", "reward": float(rewards[q][g])})  # fmt: skip
+    return records
+
+
+def full_logp(model, ids, attn):
+    """grpo_step's lines: logits[:, :-1] -> log_softmax -> gather (no float32 cast: float64 here)."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    logp_all = torch.log_softmax(logits, -1)
+    return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def padded(rows, width, dtype=torch.float64):
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours and TRL's on one batch.
+
+
+def ours_fns(model, batch, mode, beta, ref=None, norm=MAXC):
+    """Loss and gradients, float64, with train.py's functions as _policy_update combines them."""
+    seqs = batch["seqs"]
+    ids, attn, _ = pad_batch([s["ids"] for s in seqs], [[0] for _ in seqs], PAD)
+    width = ids.shape[1] - 1
+    m = padded([s["loss_mask"] for s in seqs], width)
+    sampled = padded([s["sampled"] for s in seqs], width)
+    old = padded([s["engine_logp"] for s in seqs], width)
+    adv = padded([s["adv"] for s in seqs], width)
+    w = torch.tensor(loss_weights([int(s["loss_mask"].sum()) for s in seqs], mode, norm), dtype=torch.float64)[:, None]
+    ref = (batch["ref_full"] if ref is None else ref) if beta > 0 else None
+    model.zero_grad(set_to_none=True)
+    logp = full_logp(model, ids, attn)
+    old_logp = torch.where(sampled > 0, old, logp.detach())
+    tok_loss, kl, clipped = grpo_token_loss(logp, old_logp, adv, ref, EPS_LOW, beta, EPS_HIGH, 0.0, "k3")
+    loss = (tok_loss * m * w).sum()
+    loss.backward()
+    return {"loss": float(loss.detach()), "grad": grads(model), "kl_mean": float((kl * m).sum() / m.sum()),
+            "scale": float((tok_loss.detach().abs() * m * w).sum())}  # fmt: skip
+
+
+def ours_grpo_step(model32, ref32, records, mode, beta) -> dict:
+    cfg = Config()
+    t = cfg.train
+    t.loss_agg, t.loss_norm_tokens, t.clip_eps, t.clip_eps_high, t.kl_coef = mode, MAXC, EPS_LOW, EPS_HIGH, beta
+    t.kl_estimator, t.kl_in_reward, t.dual_clip, t.entropy_coef, t.mask_retrieved = "k3", False, 0.0, 0.0, True
+    t.micro_batch_tokens, t.grad_clip, t.epochs, t.mini_batches = 120, 1e30, 1, 1
+    stats = grpo_step(model32, ref32 if beta > 0 else None, records, torch.optim.SGD(model32.parameters(), lr=0.0),
+                      cfg, PAD)  # fmt: skip
+    return stats | {"grad": grads(model32)}
+
+
+def plain_logps(model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **_):
+    """Stands in for GRPOTrainer._get_per_token_logps_and_entropies in the float64 rows: the same
+    per-token logprobs as ours (TRL's fused LM head accumulates in float32, see the fused rows)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1][:, -logits_to_keep:]
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, input_ids[:, -logits_to_keep:, None]).squeeze(-1)
+    return logp, (-(logp_all.exp() * logp_all).sum(-1) if compute_entropy else None), None
+
+
+def trl_run(trainer, model, inputs, splits=None, fused: bool = False) -> dict:
+    """_compute_loss per micro-batch (TRL slices the padded generation batch), backward, sum."""
+    if not fused:
+        trainer._get_per_token_logps_and_entropies = plain_logps  # instance attribute shadows the method
+    splits = splits or [list(range(inputs["completion_ids"].shape[0]))]
+    model.zero_grad(set_to_none=True)
+    model.train()  # TRL reads model.training for the train/eval branch
+    total = 0.0
+    for idx in splits:
+        sub = {k: (v[idx] if k != "num_items_in_batch" else v) for k, v in inputs.items()}
+        loss = trainer._compute_loss(model, sub)
+        loss.backward()
+        total += float(loss.detach())
+    model.eval()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
+    return {"loss": total, "grad": grads(model), "metrics": metrics}
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Table.
+
+
+def row(check: str, pair: str, ours, theirs, tol: float, why: str = "", scale: float = 0.0) -> None:
+    """rel = max|ours - TRL| / max|TRL|; for a loss, / max(|TRL|, `scale` = sum_i w_i sum_t m_t |l_t|): a loss
+    is a sum of terms of both signs and can be far smaller than they are."""
+    ours, theirs = torch.as_tensor(ours, dtype=torch.float64), torch.as_tensor(theirs, dtype=torch.float64)
+    err = float((ours - theirs).abs().max())
+    rel = err / max(float(theirs.abs().max()), scale, 1e-300)
+    if why:
+        status = "DIFF" if rel > tol else "FAIL (no difference: the convention probe broke)"
+    else:
+        status = "PASS" if rel <= tol else "FAIL"
+    ROWS.append((check, pair, err, rel, tol, status, why))
+
+
+def section(title: str) -> None:
+    ROWS.append(title)
+
+
+def table() -> str:
+    head = f"{'check':<36} {'ours <-> TRL':<35} {'max|d|':>9} {'rel':>9} {'tol':>6}  status"
+    lines = [head, "-" * len(head)]
+    notes: list[str] = []
+    for r in ROWS:
+        if isinstance(r, str):
+            lines.append(f"-- {r}")
+            continue
+        check, pair, err, rel, tol, status, why = r
+        if why and why not in notes:
+            notes.append(why)
+        mark = f" [{notes.index(why) + 1}]" if why else ""
+        lines.append(f"{check:<36} {pair:<35} {err:9.2e} {rel:9.2e} {tol:6.0e}  {status}{mark}")
+    lines += [""] + [textwrap.fill(f"[{k + 1}] {n}", 100, subsequent_indent="    ") for k, n in enumerate(notes)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    t_install = time.perf_counter()
+    trl, gt, tu = import_trl()
+    t_import = time.perf_counter() - t_install
+    torch.set_num_threads(2)
+    policy32, ref32 = tiny_models()
+    policy, ref = copy.deepcopy(policy32).double(), copy.deepcopy(ref32).double()
+    tu.add_fused_lm_head(policy, outputs=("log_probs", "entropy"))  # as GRPOTrainer.__init__ does
+    tu.add_fused_lm_head(ref)
+
+    # ---- inputs: records (grpo_step's view) and TRL's padded completion tensors
+    rng = torch.Generator().manual_seed(0)
+    records = make_records(rng)
+    rewards = [r["reward"] for r in records]
+    adv = group_advantages(rewards, [r["group_id"] for r in records])
+    for r, a in zip(records, adv):
+        r["advantage"] = float(torch.tensor(a, dtype=torch.float32))  # grpo_step holds it in float32
+        r["logprobs"] = [0.0] * len(r["response_ids"])  # set below from the current policy
+    seqs0 = sequence_tensors(records)
+    ids, attn, _ = pad_batch([s["ids"] for s in seqs0], [[0] for _ in seqs0], PAD)
+    with torch.no_grad():
+        cur = full_logp(policy, ids, attn)
+        ref_full = full_logp(ref, ids, attn)
+    noise = 0.3 * torch.randn(cur.shape, generator=rng, dtype=torch.float64)
+    for i, r in enumerate(records):  # old = current + noise, float32 as an engine returns it; 0.0 on holes
+        n = len(r["response_ids"])
+        r["logprobs"] = [float(torch.tensor(float(cur[i, P - 1 + j] + noise[i, j]), dtype=torch.float32))
+                         if r["loss_mask"][j] else 0.0 for j in range(n)]  # fmt: skip
+    seqs = sequence_tensors(records)
+    C = max(len(r["response_ids"]) for r in records)
+    comp_mask = padded([[1] * len(r["response_ids"]) for r in records], C)
+    inputs = {
+        "prompt_ids": torch.tensor([r["prompt_ids"] for r in records]),
+        "prompt_mask": torch.ones((len(records), P), dtype=torch.long),
+        "completion_ids": padded([r["response_ids"] for r in records], C, torch.long),
+        "completion_mask": comp_mask.long(),
+        "tool_mask": padded([r["loss_mask"] for r in records], C, torch.long) + (1 - comp_mask.long()),
+        "advantages": torch.tensor([r["advantage"] for r in records], dtype=torch.float64),
+        "old_per_token_logps": padded([r["logprobs"] for r in records], C),
+        "ref_per_token_logps": ref_full[:, P - 1 : P - 1 + C].clone(),
+    }
+    mask = (inputs["completion_mask"] * inputs["tool_mask"]).double()
+    inputs["num_items_in_batch"] = mask.sum()
+    batch = {"seqs": seqs, "ref_full": ref_full}
+    n_tok = int(mask.sum())
+    print(f"TRL {trl.__version__} from {Path(trl.__file__).parent}  (import {t_import:.1f} s); transformers "
+          f"{transformers.__version__}, torch {torch.__version__}\n{len(records)} rollouts (G={G}, Q={Q}), "
+          f"{n_tok} policy tokens of {int(comp_mask.sum())} response tokens, C={C}, max_completion_length={MAXC}",
+          flush=True)  # fmt: skip
+
+    # ---- per-token logprobs: our lines vs TRL's fused LM head
+    section("per-token logprobs on policy tokens (TRL: _get_per_token_logps_and_entropies, fused LM head)")
+    trainer = make_trainer(gt, policy)
+    with torch.no_grad():
+        trl_logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            policy, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), C)  # fmt: skip
+        ours32 = token_logprobs(copy.deepcopy(policy32), ids, attn)[:, P - 1 :]
+    cur_c = cur[:, P - 1 : P - 1 + C]
+    on = mask > 0
+    row("logp fp64 (grpo_step's lines)", "log_softmax+gather <-> fused head", cur_c[on], trl_logp[on], 1e-5)
+    row("logp fp32 (sft.token_logprobs)", "log_softmax+gather <-> fused head", ours32[on], trl_logp[on], 1e-5)
+
+    # ---- advantages
+    section("advantages (train.group_advantages <-> the block of GRPOTrainer._generate_and_score_completions)")
+    adv_src = trl_snippet(gt.GRPOTrainer._generate_and_score_completions,
+                          "unscorable_mask = torch.isnan(rewards_per_func)",
+                          "advantages = torch.nan_to_num(advantages, nan=0.0)")  # fmt: skip
+    eps_note = ("advantage eps: TRL divides by (std + 1e-4), a literal in GRPOTrainer._generate_and_score_completions "
+                "(trl/trainer/grpo_trainer.py); ours by (std + train.adv_eps), default 1e-6. Same centring on the "
+                "group mean, same unbiased std (trl.trainer.utils.nanstd applies Bessel's correction, like our "
+                "group_advantages); aligned: adv_eps = 1e-4.")  # fmt: skip
+    groups = [r["group_id"] for r in records]
+    for scale in ("group", "batch", "none"):
+        t = make_trainer(gt, policy, scale_rewards=scale)
+        ns = {"self": t, "torch": torch, "nanstd": tu.nanstd, "num_generations": G,
+              "rewards_per_func": torch.tensor(rewards, dtype=torch.float64)[:, None], "device": torch.device("cpu")}
+        exec(adv_src, ns)  # TRL's statements, unchanged
+        pair = f"adv_std={scale} <-> scale_rewards={scale}"
+        row("advantages, adv_eps=1e-6 (default)", pair, group_advantages(rewards, groups, std=scale), ns["advantages"],
+            1e-6, eps_note if scale != "none" else "")  # fmt: skip
+        if scale != "none":
+            row("advantages, adv_eps=1e-4 (aligned)", pair, group_advantages(rewards, groups, eps=1e-4, std=scale),
+                ns["advantages"], 1e-6)  # fmt: skip
+
+    # ---- loss and gradients, one batch
+    section("loss, gradient (all parameters), KL, clipping; one batch; TRL given our fp64 logprobs")
+    stats = {}
+    for beta in (0.0, BETA):
+        for ours_mode, trl_type in MODES:
+            t = make_trainer(gt, policy, loss_type=trl_type, beta=beta)
+            theirs = trl_run(t, policy, inputs)
+            ours = ours_fns(policy, batch, ours_mode, beta)
+            step = ours_grpo_step(policy32, ref32, records, ours_mode, beta)
+            pair, b = f"{ours_mode} <-> {trl_type}", f"b={beta:g}"
+            row(f"loss {b} fp64", pair, ours["loss"], theirs["loss"], 1e-6, scale=ours["scale"])
+            row(f"grad {b} fp64", pair, ours["grad"], theirs["grad"], 1e-6)
+            row(f"grad {b} grpo_step fp32", pair, step["grad"], theirs["grad"], 1e-5)
+            if trl_type == "dapo":
+                row(f"loss {b} grpo_step totals fp32", pair, step["loss"], theirs["loss"], 1e-5, scale=ours["scale"])
+            if beta > 0 and trl_type == "dapo":
+                kl_mean = theirs["metrics"]["kl"]
+                row(f"KL mean {b} fp64", "grpo_token_loss kl <-> metrics kl", ours["kl_mean"], kl_mean, 1e-6)
+                row(f"KL mean {b} grpo_step fp32", "totals kl <-> metrics kl", step["kl"], kl_mean, 1e-5)
+                row(f"clip fraction {b} grpo_step fp32", "clip_frac <-> clip_ratio/region", step["clip_frac"],
+                    theirs["metrics"]["clip_ratio/region_mean"], 1e-5)  # fmt: skip
+                stats["clip"] = step["clip_frac"]
+
+    section("the same, end to end: TRL computes logprobs with its fused LM head (float32 accumulators)")
+    for ours_mode, trl_type in MODES:
+        t = make_trainer(gt, policy, loss_type=trl_type, beta=BETA)
+        theirs = trl_run(t, policy, inputs, fused=True)
+        ours = ours_fns(policy, batch, ours_mode, BETA)
+        pair = f"{ours_mode} <-> {trl_type}"
+        row(f"loss b={BETA:g} TRL fused head", pair, ours["loss"], theirs["loss"], 1e-5, scale=ours["scale"])
+        row(f"grad b={BETA:g} TRL fused head", pair, ours["grad"], theirs["grad"], 1e-5)
+
+    # ---- KL per token: TRL's statements from _compute_loss
+    section("KL k3 per policy token (train.kl_estimate <-> the per_token_kl lines of GRPOTrainer._compute_loss)")
+    kl_src = trl_snippet(gt.GRPOTrainer._compute_loss, 'ref_per_token_logps = inputs["ref_per_token_logps"]',
+                         "per_token_kl = per_token_kl * coef_1")  # fmt: skip
+
+    def trl_kl(inp, bias_kl: bool) -> torch.Tensor:
+        t = make_trainer(gt, policy, bias_kl=bias_kl)
+        coef_1 = torch.exp(cur_c - inp["old_per_token_logps"])
+        ns = {"self": t, "torch": torch, "inputs": inp, "per_token_logps": cur_c, "coef_1": coef_1}
+        exec(kl_src, ns)
+        return ns["per_token_kl"]
+
+    ours_kl = kl_estimate(cur, ref_full, "k3")[:, P - 1 :]
+    stats["kl_mean"], stats["kl_max"] = float(ours_kl[on].mean()), float(ours_kl[on].max())
+    assert stats["kl_max"] < 10, "the main inputs must not reach the k3 clamp (it is probed separately)"
+    row("KL per token fp64", "kl_estimate k3 <-> per_token_kl", ours_kl[on], trl_kl(inputs, False)[on], 1e-6)
+
+    section("conventions that differ, each next to its aligned check")
+    bias_note = ("KL importance weight: TRL's default use_bias_correction_kl=True (GRPOConfig; applied in "
+                 "GRPOTrainer._compute_loss) multiplies per_token_kl by the ratio pi/pi_old (DeepSeek-V3.2), which "
+                 "also changes the KL gradient on-policy, and logs the weighted KL; ours adds beta * k3 unweighted. "
+                 "Aligned: use_bias_correction_kl=False (every other b=0.04 row).")  # fmt: skip
+    t = make_trainer(gt, policy, loss_type="dapo", beta=BETA, bias_kl=True)
+    theirs = trl_run(t, policy, inputs)
+    ours = ours_fns(policy, batch, "token-mean", BETA)
+    pair = "token-mean <-> dapo"
+    row(f"loss b={BETA:g}, TRL default KL", pair, ours["loss"], theirs["loss"], 1e-6, bias_note, ours["scale"])
+    row(f"grad b={BETA:g}, TRL default KL", pair, ours["grad"], theirs["grad"], 1e-6, bias_note)
+    row("KL mean, TRL default KL", "grpo_token_loss kl <-> metrics kl", ours["kl_mean"], theirs["metrics"]["kl"],
+        1e-6, bias_note)  # fmt: skip
+
+    # the k3 clamp: a reference far more confident than the policy on every 5th policy token
+    far = inputs["ref_per_token_logps"].clone()
+    pick = torch.zeros_like(on)
+    pick.view(-1)[on.view(-1).nonzero().squeeze(1)[::5]] = True
+    far[pick] = cur_c[pick] + 3.0  # k3 = e^3 - 3 - 1 = 16.1 > 10
+    far_inputs = inputs | {"ref_per_token_logps": far}
+    far_full = ref_full.clone()
+    far_full[:, P - 1 : P - 1 + C] = far
+    clamp_note = ("k3 clamp: ours clamps k3 to [-10, 10] (train.kl_estimate, DESIGN §4, as verl's low_var_kl); "
+                  "TRL's per_token_kl in GRPOTrainer._compute_loss is not clamped. Probe: ref = logp + 3 on every "
+                  "5th policy token (k3 = 16.1). Aligned: train.kl_estimate without the clamp, patched in this "
+                  "process for those rows only.")  # fmt: skip
+    row("KL per token, k3 up to 16", "kl_estimate k3 <-> per_token_kl",
+        kl_estimate(cur, far_full, "k3")[:, P - 1 :][on], trl_kl(far_inputs, False)[on], 1e-6, clamp_note)  # fmt: skip
+    t = make_trainer(gt, policy, loss_type="bnpo", beta=BETA)
+    theirs = trl_run(t, policy, far_inputs)
+    ours = ours_fns(policy, batch, "token-mean", BETA, ref=far_full)
+    pair = "token-mean <-> bnpo"
+    row(f"loss b={BETA:g}, k3 up to 16", pair, ours["loss"], theirs["loss"], 1e-6, clamp_note, ours["scale"])
+    clamped = train.kl_estimate
+    train.kl_estimate = lambda logp, ref_logp, kind="k3": torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    try:
+        ours = ours_fns(policy, batch, "token-mean", BETA, ref=far_full)
+    finally:
+        train.kl_estimate = clamped
+    row(f"loss b={BETA:g}, k3 up to 16, unclamped", pair, ours["loss"], theirs["loss"], 1e-6, scale=ours["scale"])
+    row(f"grad b={BETA:g}, k3 up to 16, unclamped", pair, ours["grad"], theirs["grad"], 1e-6)
+
+    # Dr.GRPO's constant with our default loss_norm_tokens = 0
+    max_len = Config().rollout.max_model_len
+    norm_note = (f"Dr.GRPO constant: TRL divides by max_completion_length (GRPOTrainer._compute_loss, dr_grpo); "
+                 f"ours by train.loss_norm_tokens, whose default 0 means rollout.max_model_len ({max_len}, prompt "
+                 f"included): a constant factor on loss and gradient. Aligned: loss_norm_tokens = "
+                 f"max_completion_length (every other dr_grpo row).")  # fmt: skip
+    t = make_trainer(gt, policy, loss_type="dr_grpo", beta=BETA)
+    theirs = trl_run(t, policy, inputs)
+    ours = ours_fns(policy, batch, "seq-mean-token-sum-norm", BETA, norm=max_len)
+    pair = "seq-mean-token-sum-norm <-> dr_grpo"
+    row(f"loss b={BETA:g}, loss_norm_tokens=0", pair, ours["loss"], theirs["loss"], 1e-6, norm_note, ours["scale"])
+
+    # ---- gradient accumulation: TRL calls _compute_loss per micro-batch
+    section("two micro-batches (gradient accumulation 2); ours is the one-batch loss")
+    accum_note = ("micro-batches: TRL's grpo / bnpo / dr_grpo normalise each micro-batch by its own sequences or "
+                  "tokens and divide by current_gradient_accumulation_steps (GRPOTrainer._compute_loss), exact "
+                  "only for equal micro-batches; ours weights every sequence from the whole batch "
+                  "(train.loss_weights), so the loss does not depend on the split. TRL's dapo divides by "
+                  "num_items_in_batch, the whole batch's token count, like our token-mean. Aligned: equal "
+                  "micro-batches (10+10 rollouts).")  # fmt: skip
+    halves = {"8+12": [list(range(8)), list(range(8, 20))], "10+10": [list(range(10)), list(range(10, 20))]}
+    ours_by_mode = {m: ours_fns(policy, batch, m, BETA) for m, _ in MODES}
+    for split, parts in halves.items():
+        for ours_mode, trl_type in MODES:
+            if split == "10+10" and trl_type in ("dapo", "bnpo"):
+                continue  # equal halves still differ in token count; dapo passes on 8+12 already
+            t = make_trainer(gt, policy, loss_type=trl_type, beta=BETA, accum=2)
+            theirs = trl_run(t, policy, inputs, parts)
+            why = accum_note if split == "8+12" and trl_type != "dapo" else ""
+            ours, pair = ours_by_mode[ours_mode], f"{ours_mode} <-> {trl_type}"
+            row(f"loss b={BETA:g}, {split} rollouts", pair, ours["loss"], theirs["loss"], 1e-6, why, ours["scale"])
+            row(f"grad b={BETA:g}, {split} rollouts", pair, ours["grad"], theirs["grad"], 1e-6, why)
+
+    wall = time.perf_counter() - T0
+    ratio = torch.exp(cur_c - inputs["old_per_token_logps"])[on]
+    outside = float(((ratio < 1 - EPS_LOW) | (ratio > 1 + EPS_HIGH)).double().mean())
+    print(f"ratios pi/pi_old on policy tokens: {float(ratio.min()):.2f}..{float(ratio.max()):.2f}, {outside:.0%} "
+          f"outside [1-{EPS_LOW}, 1+{EPS_HIGH}], clipped branch active on {stats['clip']:.0%}; k3 mean "
+          f"{stats['kl_mean']:.3f}, max {stats['kl_max']:.2f}\n")  # fmt: skip
+    print(table())
+    checks = [r for r in ROWS if not isinstance(r, str)]
+    fails = sum(r[5].startswith("FAIL") for r in checks)
+    print(f"\n{len(checks)} checks: {sum(r[5] == 'PASS' for r in checks)} PASS, "
+          f"{sum(r[5] == 'DIFF' for r in checks)} DIFF (documented conventions), {fails} FAIL; "
+          f"wall {wall:.1f} s (of which TRL import {t_import:.1f} s)")  # fmt: skip
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Checkpoints that let a killed run continue exactly where it stopped.
+
+    runs/<name>-<time>/checkpoints/step_<k>/
+        model.safetensors, config.json, tokenizer files   the policy (loadable by eval.py / vLLM)
+        critic/                                           PPO's value model, when there is one
+        trainer_state.pt   step, optimizer (and critic optimizer) state, the data order's RNG,
+                           torch / numpy / python RNG states, the Lagrange multipliers, the
+                           BAPO stage
+        metrics.jsonl      the run's metrics up to step k (restored on resume, so the log has
+                           no rows from steps that will be redone)
+
+A checkpoint is written into `step_<k>.tmp` and renamed when complete, so a crash while
+saving never leaves a half checkpoint that looks whole; only the newest `keep` are kept.
+`python train.py --resume RUN_DIR` loads the newest one (train.py).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(run: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 2, critic=None) -> Path:
+    """Write step_<step> atomically (temp dir, then rename) and drop all but the newest `keep`."""
+    ckpt = run / "checkpoints" / f"step_{step}"
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if critic is not None:
+        from ppo import save_critic
+
+        save_critic(critic, tmp / "critic")
+    torch.save({"step": step, "rng": rng_state()} | trainer_state, tmp / "trainer_state.pt")
+    if (run / "metrics.jsonl").exists():
+        shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    tmp.rename(ckpt)  # a checkpoint directory exists only once it is complete
+    done = sorted((p for p in ckpt.parent.glob("step_*") if not p.name.endswith(".tmp")), key=_step_of)
+    for old in done[: -max(1, keep)]:
+        shutil.rmtree(old)
+    return ckpt
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    done = [p for p in (run / "checkpoints").glob("step_*") if not p.name.endswith(".tmp")]
+    return max(done, key=_step_of) if done else None
+
+
+def load_trainer_state(ckpt: Path, run: Path) -> dict:
+    """The trainer state of a checkpoint; puts the global RNGs and the run's metrics log back
+    as they were when it was written."""
+    path = ckpt / "trainer_state.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint is incomplete: {path} not found")
+    state = torch.load(path, weights_only=False)
+    set_rng_state(state["rng"])
+    if (ckpt / "metrics.jsonl").exists():
+        shutil.copy(ckpt / "metrics.jsonl", run / "metrics.jsonl")
+    return state
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[1].removesuffix(".tmp"))

@@ -1,0 +1,178 @@
+"""Several processes, one model: FSDP2 sharding, the process group, full weights for vLLM.
+
+The same code runs CPU processes talking over gloo and GPUs talking over NCCL. Each process
+holds 1/world of every parameter, gradient and Adam moment; a layer's full weights exist only
+while that layer runs (all-gather before, reduce-scatter of the gradients after). train.py's
+`grpo_step(..., rank, world)` gives each process its share of every mini-batch.
+
+    accelerate launch --multi_gpu --num_processes 8 train.py --config X --set train.fsdp=true   # 8 GPUs
+    accelerate launch --multi_gpu --num_processes 2 tests/fsdp_step.py ...   # 2 CPU processes, gloo
+    torchrun --nproc_per_node 2 tests/fsdp_step.py ...                       # the same thing
+
+`--multi_gpu` is only the name of accelerate's torchrun launcher; with no GPU it starts CPU
+processes and `init()` picks gloo. Do not use `accelerate launch --cpu --num_processes 2` on one
+machine: accelerate 1.15 then starts a single process (its multi-CPU mode needs mpirun and
+`--mpirun_hostfile`), which would silently train with world 1.
+
+Why torch's `fully_shard` and not accelerate's `Accelerator(fsdp_plugin=...)`: on CPU,
+accelerate 1.15 never reaches its FSDP code. With `Accelerator(cpu=True, fsdp_plugin=
+FullyShardedDataParallelPlugin(fsdp_version=2))` the distributed type is MULTI_CPU and
+`prepare(model)` returns DDP; with `--use_fsdp` and no `cpu=True` it is NO (two unconnected
+world-1 processes). The FSDP plugin is honoured for GPU types only. Calling `fully_shard`
+ourselves is what accelerate does on GPUs anyway (utils/fsdp_utils.py, fsdp2_prepare_model), and
+it keeps one code path for the test on CPU and the run on GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import Config
+
+# Prefixes that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
+# DDP). FSDP2 adds none, but vLLM's load_weights must never see them whatever wrapped the model.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def init() -> tuple[int, int, torch.device]:
+    """(rank, world, device) from the variables torchrun / `accelerate launch` set (RANK,
+    WORLD_SIZE, LOCAL_RANK); starts the process group when world > 1. Plain `python` is world 1
+    with no process group, so single-process code needs no special case."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return rank, world, device
+
+
+def is_main(rank: int) -> bool:
+    return rank == 0
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def close(world: int) -> None:
+    """Destroy the process group (a clean exit instead of a warning from NCCL/gloo)."""
+    if world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def needs_reference(cfg: Config) -> bool:
+    """The frozen reference is only used for the KL term (loss or reward); without it, skip
+    loading a second copy of the model altogether."""
+    return cfg.train.kl_coef > 0
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The repeated transformer blocks, each its own FSDP unit (only one layer is unsharded at
+    a time). HF decoder-only models keep them at `model.model.layers` (Qwen2, Llama, Mistral)."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers"):
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        if isinstance(module, torch.nn.ModuleList):
+            return module
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for model.layers, "
+                     "transformer.h, gpt_neox.layers); add its path to distributed.decoder_layers")  # fmt: skip
+
+
+def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    # bf16 compute, fp32 gradient reduction and fp32 master weights (the optimizer steps fp32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.train.bf16 else None
+    # Pinned host memory makes the copies to the GPU asynchronous; it needs a GPU, and without
+    # one pinning fails ("Cannot access accelerator device when none is available").
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.train.cpu_offload else OffloadPolicy()
+    return {"mp_policy": mp or MixedPrecisionPolicy(), "offload_policy": offload,
+            "reshard_after_forward": reshard_after_forward}  # fmt: skip
+
+
+def shard(model, cfg: Config, reshard_after_forward: bool = True):
+    """FSDP2 on every decoder layer, then on the root (embeddings, final norm, lm_head: tied
+    weights stay together in the root unit). Gradient checkpointing first (train.memory_savers),
+    so its recomputation happens inside each layer's unsharded window. Call before building the
+    optimizer: the parameters become DTensors holding this process's shard.
+
+    reshard_after_forward=False keeps the gathered weights from forward to backward: one
+    all-gather per layer less, at the cost of the full model in memory during the step."""
+    from torch.distributed.fsdp import fully_shard
+
+    from train import memory_savers
+
+    memory_savers(model, cfg)
+    if cfg.train.cpu_offload:
+        model.to("cpu")  # sharded parameters then live on the host; compute still runs on the device
+    elif torch.cuda.is_available():
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    kwargs = _fsdp_kwargs(cfg, reshard_after_forward)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def shard_reference(ref_model, cfg: Config):
+    """The frozen reference policy, sharded like the policy (no gradients, no checkpointing);
+    None when the config has no KL term (then do not load it: see needs_reference)."""
+    if ref_model is None or not needs_reference(cfg):
+        return None
+    from torch.distributed.fsdp import fully_shard
+
+    ref_model.eval().requires_grad_(False)
+    if not cfg.train.cpu_offload and torch.cuda.is_available():
+        ref_model.to(torch.device("cuda", torch.cuda.current_device()))
+    kwargs = _fsdp_kwargs(cfg, reshard_after_forward=True)
+    for layer in decoder_layers(ref_model):
+        fully_shard(layer, **kwargs)
+    fully_shard(ref_model, **kwargs)
+    return ref_model
+
+
+def plain_name(name: str) -> str:
+    """A parameter name as Hugging Face and vLLM spell it (no wrapper prefixes)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def full_weights(model, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every entry of the model's state dict, for `engine.load_weights`
+    or a checkpoint. Each sharded tensor is all-gathered on its own, so at most one full
+    parameter exists beside the shards, never a second copy of the model.
+
+    Rank 0 gets the pairs; other ranks get nothing, but EVERY rank must run the loop to its
+    end (the all-gathers are collectives: a rank that stops early hangs the others). Names are
+    the plain Hugging Face ones, the same keys as `model.state_dict()` of an unsharded model
+    (tied weights appear under both names, as there)."""
+    for name, tensor in model.state_dict().items():  # DTensor views of the local shards: no copy
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        if rank == 0:
+            yield plain_name(name), tensor.detach()
+
+
+def save_full_state(model, path: str | Path, rank: int = 0) -> None:
+    """The full weights as one safetensors file, written by rank 0 (every rank must call it).
+    Collected one tensor at a time, then written at once: fine for a checkpoint on the host."""
+    from safetensors.torch import save_file
+
+    weights = {}
+    for name, tensor in full_weights(model, rank):
+        weights[name] = tensor.cpu().clone()  # clone: tied weights must not share storage here
+    if rank == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(path))

@@ -1,0 +1,80 @@
+"""One `train.grpo_step` per case on a fixed batch, in one process or sharded over several.
+
+    python tests/fsdp_step.py SPEC.json                                         # world 1, no FSDP
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
+        --mixed_precision no --dynamo_backend no tests/fsdp_step.py SPEC.json    # 2 CPU processes, gloo
+
+SPEC.json: {"model": dir, "records": json file, "out": dir, "cases": [{"name", "overrides":
+[key=value, ..], "sharded_only"}, ..], "pad_id"}. For each case, a fresh copy of the model takes one grpo_step (with
+a real AdamW from train.make_optimizer); rank 0 writes out/<name>.json (loss, grad norm, KL,
+clip fraction, ...) and out/<name>.safetensors (the updated full weights, via
+distributed.full_weights). The first case also writes out/initial.safetensors before its step:
+the vLLM sync path on an untouched sharded model. tests/test_fsdp.py compares the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import distributed  # noqa: E402
+from config import load_config  # noqa: E402
+from engine import load_policy  # noqa: E402
+from train import grpo_step, make_optimizer  # noqa: E402
+
+
+def save_grads(model, path: Path, rank: int) -> None:
+    """The gradients of the last mini-batch (still on the parameters after the step), gathered."""
+    from safetensors.torch import save_file
+
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[distributed.plain_name(name)] = g.detach().cpu().clone()
+    if distributed.is_main(rank):
+        save_file(grads, str(path))
+
+
+def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int, first: bool) -> dict:
+    cfg = load_config(None, case["overrides"])
+    sharded = cfg.train.fsdp and world > 1
+    model = load_policy(spec["model"])
+    ref = load_policy(spec["model"]) if distributed.needs_reference(cfg) else None
+    if sharded:
+        model = distributed.shard(model, cfg)
+        ref = distributed.shard_reference(ref, cfg)
+    else:
+        ref = ref.eval().requires_grad_(False) if ref is not None else None
+    out = Path(spec["out"])
+    if first:
+        distributed.save_full_state(model, out / "initial.safetensors", rank)
+    optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
+    t0 = time.time()
+    stats = grpo_step(model, ref, records, optimizer, cfg, spec["pad_id"], step=0, rank=rank, world=world)
+    stats |= {"seconds": time.time() - t0, "world": world, "sharded": sharded}
+    distributed.save_full_state(model, out / f"{case['name']}.safetensors", rank)
+    save_grads(model, out / f"{case['name']}.grads.safetensors", rank)
+    if distributed.is_main(rank):
+        (out / f"{case['name']}.json").write_text(json.dumps(stats))
+    return stats
+
+
+def main(spec_path: str) -> None:
+    rank, world, _ = distributed.init()
+    spec = json.loads(Path(spec_path).read_text())
+    records = json.loads(Path(spec["records"]).read_text())
+    for n, case in enumerate(spec["cases"]):
+        if case.get("sharded_only") and world == 1:
+            continue
+        stats = run_case(case, spec, records, rank, world, first=n == 0)
+        if distributed.is_main(rank):
+            print(f"{case['name']} world={world}: {json.dumps(stats)}", flush=True)
+    distributed.close(world)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,137 @@
+"""plan.py: the per-GPU memory plan, checked against hand calculations (no model is loaded)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from config import ConfigError, load_config
+from plan import load_arch, memory_plan, param_count
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Qwen2.5-7B by hand, from its config.json: hidden 3584, 28 layers, 28 heads of 128, 4 kv heads,
+# MLP 18944, vocab 152064, untied embeddings, biases on q, k, v.
+H, L, KV, MLP, V = 3584, 28, 4 * 128, 18944, 152064
+LAYER = (H * H + H) + 2 * (H * KV + KV) + H * H + 3 * H * MLP + 2 * H  # q, k, v, o, gate/up/down, 2 norms
+ROOT_UNIT = 2 * V * H + H  # embeddings, lm_head, final norm
+P7 = ROOT_UNIT + L * LAYER
+GB = 1e9
+
+
+def qwen7b(tmp_path, *overrides):
+    """Qwen2.5-7B by name (a directory without config.json) on the default 8 x 80 GB."""
+    (tmp_path / "Qwen2.5-7B-Instruct").mkdir(exist_ok=True)
+    base = [f"model.path={tmp_path / 'Qwen2.5-7B-Instruct'}", "model.dtype=bfloat16", "train.fsdp=true",
+            "train.bf16=true", "train.grad_checkpointing=true", "hardware.vllm_memory_fraction=0.5"]  # fmt: skip
+    return load_config(None, base + list(overrides))
+
+
+def test_qwen25_parameter_counts_from_the_table(tmp_path):
+    assert LAYER == 233_057_792
+    assert P7 == 7_615_616_512  # the model card's 7.61B
+    cfg = qwen7b(tmp_path)
+    arch = load_arch(cfg.model)
+    assert (arch.source, arch.hidden, arch.layers, arch.kv_heads, arch.head_dim, arch.tied) == (
+        "built-in table", 3584, 28, 4, 128, False)  # fmt: skip
+    assert param_count(arch) == P7 == pytest.approx(7.62e9, abs=0.01e9)
+    # 3B: hidden 2048, 36 layers, 16 heads, 2 kv heads (kv dim 256), MLP 11008, tied: 3.09B
+    h, kv = 2048, 256
+    p3 = 151936 * h + h + 36 * ((h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * 11008 + 2 * h)
+    (tmp_path / "Qwen2.5-3B").mkdir()
+    assert param_count(load_arch(load_config(None, [f"model.path={tmp_path / 'Qwen2.5-3B'}"]).model)) == p3
+    assert p3 == 3_085_938_688
+
+
+def test_qwen25_7b_on_8x80gb_matches_a_hand_calculation(tmp_path):
+    plan = memory_plan(qwen7b(tmp_path))  # GRPO, bf16 weights, FSDP over 8, checkpointing, AdamW
+    gpu = plan["gpu"]
+    assert gpu["policy_weights"] == pytest.approx(P7 * 2 / 8 / GB)  # 1.90 GB
+    assert gpu["policy_grads"] == pytest.approx(P7 * 2 / 8 / GB)
+    assert gpu["policy_optimizer"] == pytest.approx(P7 * (4 + 4 + 4) / 8 / GB)  # master, m, v: 11.42 GB
+    assert gpu["reference_weights"] == pytest.approx(P7 * 2 / 8 / GB)
+    assert gpu["fsdp_gathered"] == pytest.approx((2 * ROOT_UNIT + 3 * LAYER) * 2 / GB)  # 5.76 GB
+    per_layer = 2 * (6 * H + 2 * KV + 4 * MLP)  # bytes per token: 196,608
+    assert gpu["activations"] == pytest.approx((8192 * L * 2 * H + 8192 * per_layer) / GB)  # 3.25 GB
+    assert gpu["logits"] == pytest.approx(8192 * V * 4 / GB)  # 4.98 GB: fp32 logits
+    resident = 3 * P7 * 2 / 8 / GB + P7 * 12 / 8 / GB + 2.0  # weights, grads, reference, optimizer, allowance
+    assert plan["train_total"] == pytest.approx(resident + (2 * ROOT_UNIT + 3 * LAYER) * 2 / GB + gpu["activations"]
+                                                + gpu["logits"])  # fmt: skip
+    assert plan["train_budget"] == 40.0 and plan["train_fits"]
+    v = plan["vllm"]
+    assert v["weights"] == pytest.approx(P7 * 2 / GB)  # 15.23 GB, a full bf16 copy
+    assert v["kv_bytes_per_token"] == 2 * L * 4 * 128 * 2 == 57_344
+    assert v["kv_tokens"] == int((40e9 - P7 * 2) // 57_344)
+    assert v["rollout_tokens"] == 16 * 8 * 1024 // 8  # config defaults: 16 questions x 8 x 1024 / 8 GPUs
+    assert plan["fits"] and not plan["advice"]
+
+
+def test_ppo_with_offload_moves_state_to_host_and_adds_a_critic(tmp_path):
+    plan = memory_plan(qwen7b(tmp_path, "train.algo=ppo", "train.cpu_offload=true"))
+    critic = P7 - V * H + H + 1  # no lm_head, a value head h -> 1
+    assert plan["model"]["critic_params"] == critic
+    for key in ("policy_weights", "policy_grads", "policy_optimizer", "reference_weights", "critic_state"):
+        assert plan["gpu"][key] == 0.0
+    assert plan["host"]["critic_state"] == pytest.approx(critic * (2 + 2 + 12) / 8 / GB)
+    assert plan["host_per_gpu"] == pytest.approx((P7 * (2 + 2 + 12 + 2) + critic * 16) / 8 / GB)
+    # the critic steps after the policy: the larger working set counts, not both
+    assert plan["train_total"] == pytest.approx(2.0 + plan["policy_working_set"])
+    assert plan["gpu"]["critic_working_set"] < plan["policy_working_set"]
+
+
+def test_grad_checkpointing_lowers_activations(tmp_path):
+    on = memory_plan(qwen7b(tmp_path))
+    off = memory_plan(qwen7b(tmp_path, "train.grad_checkpointing=false"))
+    assert off["gpu"]["activations"] == pytest.approx(8192 * L * 2 * (6 * H + 2 * KV + 4 * MLP) / GB)  # 45.1 GB
+    assert on["gpu"]["activations"] < off["gpu"]["activations"] / 10
+    assert not off["train_fits"] and "grad_checkpointing=true" in off["advice"][0]
+
+
+def test_adamw8bit_lowers_optimizer_memory_by_the_expected_factor(tmp_path):
+    for dtype, master in (("bfloat16", 4), ("float32", 0)):
+        full = memory_plan(qwen7b(tmp_path, f"model.dtype={dtype}"))["gpu"]["policy_optimizer"]
+        small = memory_plan(qwen7b(tmp_path, f"model.dtype={dtype}", "train.optimizer=adamw8bit"))["gpu"]
+        # m and v drop from 4 bytes to 1 (+ one fp32 absmax per 256 values each); the master copy stays
+        assert small["policy_optimizer"] / full == pytest.approx((master + 2 + 8 / 256) / (master + 8))
+    assert (master + 8) / (master + 2 + 8 / 256) == pytest.approx(3.94, abs=0.01)  # fp32 weights: ~4x
+
+
+def test_no_kl_means_no_reference_model(tmp_path):
+    assert memory_plan(qwen7b(tmp_path, "train.kl_coef=0"))["gpu"]["reference_weights"] == 0.0
+
+
+def test_config_json_is_read_instead_of_the_table(tmp_path):
+    d = tmp_path / "Qwen2.5-7B"  # a name the table knows: config.json must still win
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": True,
+    }))  # fmt: skip
+    arch = load_arch(load_config(None, [f"model.path={d}"]).model)
+    assert arch.source == str(d / "config.json") and (arch.hidden, arch.kv_heads, arch.head_dim) == (64, 2, 16)
+    layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert param_count(arch) == 1000 * 64 + 64 + 2 * layer
+
+
+def test_unknown_model_without_config_json_names_the_path(tmp_path):
+    cfg = load_config(None, [f"model.path={tmp_path / 'my-own-model'}"])
+    with pytest.raises(ConfigError, match="my-own-model"):
+        memory_plan(cfg)
+
+
+def test_tiny_world_policy_is_planned_from_config_model():
+    plan = memory_plan(load_config(ROOT / "configs" / "tiny.yaml"))
+    assert plan["model"]["source"] == "config.model" and plan["fits"]
+
+
+def test_cli_prints_a_verdict():
+    out = subprocess.run([sys.executable, "plan.py", "--config", "configs/search_r1_ppo_qwen2.5-7b-base.yaml"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode in (0, 1), out.stderr
+    assert "=> fits" in out.stdout or "=> does not fit" in out.stdout
+    assert "Qwen2.5-7B" in out.stdout and "KV cache" in out.stdout
+    bad = subprocess.run([sys.executable, "plan.py", "--set", "model.path=models/nonexistent-model"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "models/nonexistent-model" in bad.stderr
