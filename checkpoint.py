@@ -3,7 +3,8 @@
     runs/<name>-<time>/checkpoints/step_<k>/
         model.safetensors, config.json, tokenizer files   the policy (loadable by eval.py / vLLM)
         critic/                                           PPO's value model, when there is one
-        trainer_state.pt   step, optimizer (and critic optimizer) state, the data order's RNG,
+        optimizer.rank<r>.pt  each process's optimizer state (its FSDP shard; rank0 alone otherwise)
+        trainer_state.pt   step, the critic's optimizer state, the data order's RNG,
                            torch / numpy / python RNG states, the Lagrange multipliers, the
                            BAPO stage
         metrics.jsonl      the run's metrics up to step k (restored on resume, so the log has
@@ -23,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from config import ConfigError
+
 
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -34,25 +37,42 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(run: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 2, critic=None) -> Path:
-    """Write step_<step> atomically (temp dir, then rename) and drop all but the newest `keep`."""
+def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_state: dict, keep: int = 2,
+                    critic=None, rank: int = 0, world: int = 1) -> Path:  # fmt: skip
+    """Write step_<step> atomically (temp dir, then rename) and drop all but the newest `keep`.
+    Every process calls it: under FSDP the full weights are gathered tensor by tensor and written
+    by rank 0, and each process writes its own shard of the optimizer state."""
+    from distributed import barrier, save_full_state
+
     ckpt = run / "checkpoints" / f"step_{step}"
     tmp = ckpt.with_name(ckpt.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if critic is not None:
-        from ppo import save_critic
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world)
+    if world > 1:
+        save_full_state(model, tmp / "model.safetensors", rank)
+        if rank == 0:
+            model.config.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
+    torch.save(optimizer.state_dict(), tmp / f"optimizer.rank{rank}.pt")
+    barrier(world)
+    if rank == 0:
+        tokenizer.save_pretrained(tmp)
+        if critic is not None:
+            from ppo import save_critic
 
-        save_critic(critic, tmp / "critic")
-    torch.save({"step": step, "rng": rng_state()} | trainer_state, tmp / "trainer_state.pt")
-    if (run / "metrics.jsonl").exists():
-        shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
-    shutil.rmtree(ckpt, ignore_errors=True)
-    tmp.rename(ckpt)  # a checkpoint directory exists only once it is complete
-    done = sorted((p for p in ckpt.parent.glob("step_*") if not p.name.endswith(".tmp")), key=_step_of)
-    for old in done[: -max(1, keep)]:
-        shutil.rmtree(old)
+            save_critic(critic, tmp)
+        torch.save({"step": step, "rng": rng_state(), "world": world} | trainer_state, tmp / "trainer_state.pt")
+        if (run / "metrics.jsonl").exists():
+            shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
+        shutil.rmtree(ckpt, ignore_errors=True)
+        tmp.rename(ckpt)  # a checkpoint directory exists only once it is complete
+        done = sorted((p for p in ckpt.parent.glob("step_*") if not p.name.endswith(".tmp")), key=_step_of)
+        for old in done[: -max(1, keep)]:
+            shutil.rmtree(old)
+    barrier(world)
     return ckpt
 
 
@@ -61,15 +81,18 @@ def latest_checkpoint(run: Path) -> Path | None:
     return max(done, key=_step_of) if done else None
 
 
-def load_trainer_state(ckpt: Path, run: Path) -> dict:
-    """The trainer state of a checkpoint; puts the global RNGs and the run's metrics log back
-    as they were when it was written."""
+def load_trainer_state(ckpt: Path, run: Path, optimizer, rank: int = 0, world: int = 1) -> dict:
+    """The trainer state of a checkpoint; puts this process's optimizer shard, the global RNGs
+    and (rank 0) the run's metrics log back as they were when it was written."""
     path = ckpt / "trainer_state.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint is incomplete: {path} not found")
     state = torch.load(path, weights_only=False)
+    if state.get("world", 1) != world:
+        raise ConfigError(f"{ckpt} was written by {state.get('world', 1)} processes; resume with as many, not {world}")
+    optimizer.load_state_dict(torch.load(ckpt / f"optimizer.rank{rank}.pt", weights_only=False))
     set_rng_state(state["rng"])
-    if (ckpt / "metrics.jsonl").exists():
+    if rank == 0 and (ckpt / "metrics.jsonl").exists():
         shutil.copy(ckpt / "metrics.jsonl", run / "metrics.jsonl")
     return state
 

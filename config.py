@@ -80,6 +80,9 @@ class SFTConfig:
     # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
     p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop
     p_no_search: float = 0.1  # answer without searching at all
+    # "random": the teacher writes <confidence>N</confidence> before each answer with N drawn
+    # uniformly from 1-10, uncorrelated with being right (what Deliberative Searcher's RL fixes)
+    confidence: str = ""
 
 
 @dataclass
@@ -264,6 +267,7 @@ CHOICES = {
     "retriever.bm25_backend": ("scipy", "numpy", "numba"),
     "rollout.engine": ("vllm", "hf"),
     "train.algo": ("grpo", "ppo", "rft"),
+    "sft.confidence": ("", "random"),
     "train.optimizer": ("adamw", "adamw8bit"),
 }
 

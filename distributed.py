@@ -5,9 +5,10 @@ holds 1/world of every parameter, gradient and Adam moment; a layer's full weigh
 while that layer runs (all-gather before, reduce-scatter of the gradients after). train.py's
 `grpo_step(..., rank, world)` gives each process its share of every mini-batch.
 
-    accelerate launch --multi_gpu --num_processes 8 train.py --config X --set train.fsdp=true   # 8 GPUs
-    accelerate launch --multi_gpu --num_processes 2 tests/fsdp_step.py ...   # 2 CPU processes, gloo
-    torchrun --nproc_per_node 2 tests/fsdp_step.py ...                       # the same thing
+    accelerate launch --multi_gpu --num_processes 8 train.py --config X   # 8 GPUs, NCCL
+    accelerate launch --multi_gpu --num_processes 2 train.py --config X   # no GPU: 2 CPU processes, gloo
+    torchrun --nproc_per_node 2 train.py --config X                       # the same thing
+    python -m pytest -q tests/test_fsdp.py     # 2-process FSDP step = 1-process step (parity)
 
 `--multi_gpu` is only the name of accelerate's torchrun launcher; with no GPU it starts CPU
 processes and `init()` picks gloo. Do not use `accelerate launch --cpu --num_processes 2` on one
@@ -34,9 +35,9 @@ import torch.distributed as dist
 
 from config import Config
 
-# Prefixes that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
+# Name parts that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
 # DDP). FSDP2 adds none, but vLLM's load_weights must never see them whatever wrapped the model.
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+WRAPPER_PARTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "module"}
 
 
 def init() -> tuple[int, int, torch.device]:
@@ -53,6 +54,15 @@ def init() -> tuple[int, int, torch.device]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     return rank, world, device
+
+
+def broadcast(obj, world: int):
+    """Rank 0's Python object on every rank (pickled; e.g. the scored rollout records)."""
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def is_main(rank: int) -> bool:
@@ -104,8 +114,9 @@ def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
 def shard(model, cfg: Config, reshard_after_forward: bool = True):
     """FSDP2 on every decoder layer, then on the root (embeddings, final norm, lm_head: tied
     weights stay together in the root unit). Gradient checkpointing first (train.memory_savers),
-    so its recomputation happens inside each layer's unsharded window. Call before building the
-    optimizer: the parameters become DTensors holding this process's shard.
+    so its recomputation happens inside each layer's unsharded window. fully_shard moves each
+    unit to this process's device (or keeps its shard on the host with cpu_offload). Build the
+    optimizer afterwards: the parameters become DTensors holding this process's shard.
 
     reshard_after_forward=False keeps the gathered weights from forward to backward: one
     all-gather per layer less, at the cost of the full model in memory during the step."""
@@ -113,11 +124,10 @@ def shard(model, cfg: Config, reshard_after_forward: bool = True):
 
     from train import memory_savers
 
+    if cfg.train.optimizer == "adamw8bit":  # fails at the first step otherwise, after a rollout
+        raise ValueError("train.optimizer=adamw8bit cannot step FSDP's sharded parameters (bitsandbytes 0.50: "
+                         "'got mixed torch.Tensor and DTensor'); use adamw with train.fsdp")  # fmt: skip
     memory_savers(model, cfg)
-    if cfg.train.cpu_offload:
-        model.to("cpu")  # sharded parameters then live on the host; compute still runs on the device
-    elif torch.cuda.is_available():
-        model.to(torch.device("cuda", torch.cuda.current_device()))
     kwargs = _fsdp_kwargs(cfg, reshard_after_forward)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
@@ -133,8 +143,6 @@ def shard_reference(ref_model, cfg: Config):
     from torch.distributed.fsdp import fully_shard
 
     ref_model.eval().requires_grad_(False)
-    if not cfg.train.cpu_offload and torch.cuda.is_available():
-        ref_model.to(torch.device("cuda", torch.cuda.current_device()))
     kwargs = _fsdp_kwargs(cfg, reshard_after_forward=True)
     for layer in decoder_layers(ref_model):
         fully_shard(layer, **kwargs)
@@ -143,10 +151,12 @@ def shard_reference(ref_model, cfg: Config):
 
 
 def plain_name(name: str) -> str:
-    """A parameter name as Hugging Face and vLLM spell it (no wrapper prefixes)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """A parameter name as Hugging Face and vLLM spell it (no wrapper parts).
+
+    >>> plain_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
+    'model.layers.0.mlp.up_proj.weight'
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
 def full_weights(model, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -160,6 +170,8 @@ def full_weights(model, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     (tied weights appear under both names, as there)."""
     for name, tensor in model.state_dict().items():  # DTensor views of the local shards: no copy
         if hasattr(tensor, "full_tensor"):
+            if tensor.device.type != tensor.device_mesh.device_type:  # cpu_offload on GPUs: NCCL wants GPU tensors
+                tensor = tensor.to(tensor.device_mesh.device_type)
             tensor = tensor.full_tensor()
         if rank == 0:
             yield plain_name(name), tensor.detach()
@@ -167,7 +179,7 @@ def full_weights(model, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
 
 def save_full_state(model, path: str | Path, rank: int = 0) -> None:
     """The full weights as one safetensors file, written by rank 0 (every rank must call it).
-    Collected one tensor at a time, then written at once: fine for a checkpoint on the host."""
+    Gathered one tensor at a time into host memory: rank 0 holds one full copy while writing."""
     from safetensors.torch import save_file
 
     weights = {}

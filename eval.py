@@ -2,6 +2,7 @@
 
     python eval.py --config configs/tiny.yaml                       # the cached SFT policy, val
     python eval.py --config configs/tiny.yaml --model runs/tiny-X/checkpoints/step_30 --split test
+    python eval.py curves runs/tiny-X                               # PNG curves of a run (plots.py)
 
 Metrics (each computed from rollout records, DESIGN.md §2):
   em            exact match after SQuAD normalisation (rewards.exact_match)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -53,6 +55,11 @@ def evaluate(engine, tokenizer, questions: list[dict], search_fn, cfg: Config, r
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["curves"]:  # python eval.py curves RUN_DIR: training curves as PNGs (plots.py)
+        from plots import main as curves_main
+
+        return curves_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (the data and retriever to use)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")

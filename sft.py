@@ -206,9 +206,13 @@ def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str
     world = generate_world(cfg.world)  # deterministic: the same world as on disk
     countries, cities = world.countries, list(world.city_country)
     rng = random.Random(cfg.world.seed + 1)
+    confidence_rng = random.Random(cfg.world.seed + 2)  # its own stream: the trajectories stay the same
     trajectories = []
     for q in tqdm(read_jsonl(world_path / "train.jsonl"), desc="teacher", mininterval=5):
         segs = teacher_segments(q, tool, rng, countries, cities, cfg.sft.p_guess_second_hop, cfg.sft.p_no_search)
+        if cfg.sft.confidence == "random":  # Deliberative Searcher's format, stated at random
+            tag = f"<confidence> {confidence_rng.randint(1, 10)}</confidence><answer>"
+            segs[-1] = (segs[-1][0].replace("<answer>", tag), segs[-1][1])
         trajectories.append([(render_prompt(q["question"], cfg.rollout.prompt_template), "prompt")] + segs)
     return trajectories
 

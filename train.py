@@ -34,6 +34,7 @@ per step, plus eval lines), samples/step_<k>.jsonl (rollout records), checkpoint
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
 import math
@@ -185,7 +186,7 @@ def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int
     """log pi(token t | tokens < t) of every position of every sequence, no gradient: the
     reference model's logprobs, or pi_old recomputed by the trainer before the first update."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-    device = next(model.parameters()).device
+    device = _compute_device(model)
     for idx in token_budget_batches([len(s["ids"]) for s in seqs], micro_batch_tokens, random.Random(0)):
         ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
         with torch.no_grad(), _autocast(bf16):
@@ -193,6 +194,13 @@ def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int
         for row, i in enumerate(idx):
             out[i] = logp[row, : len(seqs[i]["ids"]) - 1]
     return out
+
+
+def _compute_device(model) -> torch.device:
+    """Where the forward runs: this process's GPU, even when FSDP offloads parameters to the host."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return next(model.parameters()).device
 
 
 def _autocast(bf16: bool):
@@ -255,7 +263,7 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
     micro-batches of its share, padded with zero-weight repeats so every process runs the same
     number of forward passes (FSDP's collectives must line up)."""
     tcfg = cfg.train
-    device = next(model.parameters()).device
+    device = _compute_device(model)
     counts = [float(seqs[i]["loss_mask"].sum()) for i in mini]
     n_tokens = sum(counts)  # the token-mean denominator of the whole mini-batch
     norm = tcfg.loss_norm_tokens or cfg.rollout.max_model_len
@@ -504,39 +512,55 @@ def rft_step(model, records: list[dict], optimizer, cfg: Config, pad_id: int, st
 
 
 def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
+    """The loop. With several processes (`accelerate launch --multi_gpu` / torchrun, train.fsdp),
+    rank 0 rolls out, scores and evaluates; every rank takes its share of the update (FSDP)."""
+    from distributed import barrier, broadcast, full_weights, init, shard, shard_reference
     from eval import evaluate
 
+    rank, world, device = init()
+    main_proc = rank == 0
+    if world > 1 and not cfg.train.fsdp:
+        raise ConfigError(f"{world} processes need train.fsdp: true (there is no replicated data-parallel mode)")
+    if world > 1 and cfg.train.algo == "ppo":
+        raise ConfigError("algo ppo runs in one process for now: the critic is not sharded")
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(cfg.train.threads)
     constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
     if cfg.data.corpus or cfg.data.train:
         data_paths(cfg)  # given files: fail on a bad path before building anything
+    if main_proc:  # builds the tiny world once; the other ranks wait, then find it cached
+        start_dir = resume_from or ensure_policy(cfg, run)
+    barrier(world)
     start_dir = resume_from or ensure_policy(cfg, run)
     paths = data_paths(cfg)
     train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])
     tokenizer = load_tokenizer(start_dir)
-    engine = make_engine(cfg.rollout.engine, start_dir, cfg.rollout, seed=cfg.train.seed)  # before bm25s
-    torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
+    engine = search_fn = None
     timings: dict[str, float] = {}
-    search_fn = make_search_fn(cfg, paths["corpus"], timings)
-    model = memory_savers(load_policy(start_dir).eval(), cfg)
+    if main_proc:
+        engine = make_engine(cfg.rollout.engine, start_dir, cfg.rollout, seed=cfg.train.seed)  # before bm25s
+        search_fn = make_search_fn(cfg, paths["corpus"], timings)
+    torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
+    model = memory_savers(load_policy(start_dir).eval(), cfg).to(device)
     ref = None
     if cfg.train.kl_coef > 0 and cfg.train.algo != "rft":  # the frozen reference is the starting policy
         ref = load_policy(ensure_policy(cfg, run) if resume_from else start_dir).eval().requires_grad_(False)
+        ref = ref.to(device)
+    if world > 1:
+        model, ref = shard(model, cfg), shard_reference(ref, cfg)
     optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     critic = critic_opt = None
     if cfg.train.algo == "ppo":
         from ppo import critic_optimizer, load_critic
 
-        critic = load_critic(resume_from / "critic" if resume_from else start_dir)
+        critic = load_critic(resume_from if resume_from else start_dir)
         critic_opt = critic_optimizer(critic, cfg.train.critic_lr)
     bapo = BapoState(patience=cfg.train.bapo_patience) if "bapo" in cfg.train.reward else None
     rng = random.Random(cfg.train.seed)  # the question order
     order: list[int] = []
     step0 = 0
     if resume_from is not None:
-        state = load_trainer_state(resume_from, run)
-        optimizer.load_state_dict(state["optimizer"])
+        state = load_trainer_state(resume_from, run, optimizer, rank, world)
         if critic_opt is not None:
             critic_opt.load_state_dict(state["critic_optimizer"])
         step0, order = state["step"], state["order"]
@@ -553,11 +577,12 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         score(val_records, cfg.train.reward, reward_params(constraints, cfg.train.reward_params))
         return ev | {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
 
-    if step0 == 0 and cfg.train.eval_every > 0:
+    if step0 == 0 and cfg.train.eval_every > 0 and main_proc:
         ev = run_eval()
         log(run, {"step": 0, "eval": ev})
         print(f"step 0 eval: {json.dumps(ev)}", flush=True)
-    bar = tqdm(range(step0, cfg.train.steps), desc=cfg.train.algo, initial=step0, total=cfg.train.steps)
+    bar = tqdm(range(step0, cfg.train.steps), desc=cfg.train.algo, initial=step0, total=cfg.train.steps,
+               disable=not main_proc)  # fmt: skip
     ev = {}
     for step in bar:
         timings.clear()
@@ -567,28 +592,33 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         batch_idx, order = _next_batch(order, len(train_q), cfg.train.questions_per_step, rng)
         questions = [train_q[i] for i in batch_idx]
         t0 = time.time()
-        records = rollout_batch(
-            engine, tokenizer, questions, cfg.train.group_size, search_fn, cfg.rollout,
-            seed=cfg.train.seed * 100003 + step, group_prefix=cfg.data.name + ":",
-        )  # fmt: skip
-        resampled = 0
-        if cfg.train.resample_groups > 0:
-            records, resampled = resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg, step)
-        t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
-        t0 = time.time()
-        params = reward_params(constraints, cfg.train.reward_params)
-        if bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
-            params |= {"stage": bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
-        score(records, cfg.train.reward, params)
-        apply_constraints(constraints, records)
-        for c in constraints:
-            if c.measure == "train":
-                dual_update(c, batch_statistic(c.stat, records))
+        resampled, t_generate, t_reward = 0, 0.0, 0.0
+        records: list[dict] = []
+        if main_proc:
+            records = rollout_batch(
+                engine, tokenizer, questions, cfg.train.group_size, search_fn, cfg.rollout,
+                seed=cfg.train.seed * 100003 + step, group_prefix=cfg.data.name + ":",
+            )  # fmt: skip
+            if cfg.train.resample_groups > 0:
+                records, resampled = resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg, step)
+            t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
+            t0 = time.time()
+            params = reward_params(constraints, cfg.train.reward_params)
+            if bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
+                params |= {"stage": bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
+            score(records, cfg.train.reward, params)
+            apply_constraints(constraints, records)
+            for c in constraints:
+                if c.measure == "train":
+                    dual_update(c, batch_statistic(c.stat, records))
+            for r in records:
+                r.pop("_parsed", None)  # a parse cache; the other ranks get plain records
+        records = broadcast(records, world)
         if cfg.train.kl_in_reward and ref is not None and cfg.train.algo == "grpo":
             for r, kl in zip(records, kl_penalties(ref, records, cfg, tokenizer.pad_token_id)):
                 r["kl_penalty"] = kl
                 r["reward"] -= cfg.train.kl_coef * kl
-        t_reward = time.time() - t0
+        t_reward += time.time() - t0
         t0 = time.time()
         if cfg.train.algo == "rft":
             kept = rft_select(records, cfg.train.rft_accept)
@@ -602,40 +632,46 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             )
             for r, a in zip(records, advantages):
                 r["advantage"] = a
-            stats = grpo_step(model, ref, records, optimizer, cfg, tokenizer.pad_token_id, step)
+            stats = grpo_step(model, ref, records, optimizer, cfg, tokenizer.pad_token_id, step, rank, world)
         t_train = time.time() - t0
         t0 = time.time()
-        engine.load_weights(model.state_dict().items())
+        weights = full_weights(model, rank) if world > 1 else model.state_dict().items()
+        if main_proc:
+            engine.load_weights(weights)
+        else:
+            collections.deque(weights, maxlen=0)  # take part in the gathers; rank 0 keeps the tensors
         t_sync = time.time() - t0
-        gen_tokens = sum(sum(r["loss_mask"]) for r in records)
-        row = {"step": step + 1} | batch_metrics(records) | stats | constraint_log(constraints) | {
-            "lr": lr_at(step, cfg),
-            "tokens_per_s": gen_tokens / max(t_generate, 1e-9),
-            "time": {"generate": t_generate, "retrieve": timings.get("retrieve", 0.0),
-                     "reward": t_reward, "train": t_train, "sync": t_sync},
-        }  # fmt: skip
-        if cfg.train.resample_groups > 0:
-            row["resampled_groups"] = resampled
-        if bapo is not None:
-            row |= {"bapo_stage": bapo.stage, f"idk_rate/{bapo.stage}": row["idk_rate"]}
-        _write_samples(run, step + 1, records[: cfg.train.samples_per_step])
-        if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
-            ev = run_eval()
-            row["eval"] = ev
-            for c in constraints:
-                if c.measure == "val":
-                    dual_update(c, float(ev.get(c.stat, ev.get(c.stat.removeprefix("reward/"), 0.0))))
+        if main_proc:
+            gen_tokens = sum(sum(r["loss_mask"]) for r in records)
+            row = {"step": step + 1} | batch_metrics(records) | stats | constraint_log(constraints) | {
+                "lr": lr_at(step, cfg),
+                "tokens_per_s": gen_tokens / max(t_generate, 1e-9),
+                "time": {"generate": t_generate, "retrieve": timings.get("retrieve", 0.0),
+                         "reward": t_reward, "train": t_train, "sync": t_sync},
+            }  # fmt: skip
+            if cfg.train.resample_groups > 0:
+                row["resampled_groups"] = resampled
             if bapo is not None:
-                bapo.update(ev["em"])  # the validation score whose plateau switches the stage
-        log(run, row)
-        bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
+                row |= {"bapo_stage": bapo.stage, f"idk_rate/{bapo.stage}": row["idk_rate"]}
+            _write_samples(run, step + 1, records[: cfg.train.samples_per_step])
+            if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+                ev = run_eval()
+                row["eval"] = ev
+                for c in constraints:
+                    if c.measure == "val":
+                        dual_update(c, float(ev.get(c.stat, ev.get(c.stat.removeprefix("reward/"), 0.0))))
+                if bapo is not None:
+                    bapo.update(ev["em"])  # the validation score whose plateau switches the stage
+            log(run, row)
+            bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
         if (cfg.train.save_every > 0 and (step + 1) % cfg.train.save_every == 0) or step + 1 == cfg.train.steps:
             trainer_state = {
-                "optimizer": optimizer.state_dict(), "order": order, "data_rng": rng.getstate(),
-                "constraints": constraint_state(constraints), "bapo": vars(bapo) if bapo else None,
+                "order": order, "data_rng": rng.getstate(), "constraints": constraint_state(constraints),
+                "bapo": vars(bapo) if bapo else None,
                 "critic_optimizer": critic_opt.state_dict() if critic_opt else None,
             }  # fmt: skip
-            save_checkpoint(run, step + 1, model, tokenizer, trainer_state, cfg.train.keep_checkpoints, critic)
+            save_checkpoint(run, step + 1, model, tokenizer, optimizer, trainer_state, cfg.train.keep_checkpoints,
+                            critic, rank, world)  # fmt: skip
     return ev
 
 
@@ -717,13 +753,16 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cfg = load_config(args.config, args.set)
             parse_constraints(cfg.train.constraints)
-            run, ckpt = new_run_dir(cfg), None
+            from distributed import broadcast, init
+
+            rank, world, _ = init()  # several processes: rank 0 names the run directory
+            run, ckpt = Path(broadcast(str(new_run_dir(cfg)) if rank == 0 else "", world)), None
     except (ConfigError, FileNotFoundError) as e:
         parser.error(str(e))
     print(f"run directory: {run}", flush=True)
     try:
         ev = train(cfg, run, ckpt)
-    except (DataError, FileNotFoundError) as e:
+    except (DataError, FileNotFoundError, ConfigError) as e:
         sys.exit(f"error: {e}")
     print(f"final eval: {json.dumps(ev)}")
 

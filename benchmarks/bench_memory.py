@@ -23,10 +23,12 @@ Parts (each prints its table; `--json` also writes the raw numbers):
            batches of the same mean size in random order.
   flops    training-step FLOP/s of grpo_step (train.bf16 True and False) against the matmul
            ceiling (2048x2048 bf16 and fp32 torch.matmul), alternated in one process, median
-           of --reps. Model FLOPs = 6 * N * B * T (N = parameters used in matmuls, lm_head
-           included once, embedding lookup and norms excluded) + attention 3 * 4 * B * T^2 * d * L
-           (QK^T and AV, full T^2: the causal half is not skipped); one forward + backward
-           ran per step (pi_old from the engine, no recompute, no reference model).
+           of --reps. Model FLOPs = 6 * N * B * T (N = parameters used in matmuls: the tied
+           lm_head once, no embedding lookup, no norms) + attention 3 * 2 * B * T^2 * d * L
+           (QK^T and AV over the causal half: equal lengths, so SDPA runs with is_causal and no
+           mask; a padded batch passes a mask and computes all of T^2). One forward + backward
+           ran per step (pi_old from the engine, no recompute, no reference model); the step
+           time includes the AdamW update.
 
 Measured 2026-11-22, 2 cores (torch.set_num_threads(2)), no GPU, other people's jobs on the
 same machine (load average printed before and after; ratios within one run are what count):
@@ -127,7 +129,7 @@ def fake_records(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
     from train import group_advantages
 
     rng = random.Random(seed)
-    prompt_len = 64
+    prompt_len = min(64, length // 8)
     mask = [1 if (t % 160) < 96 else 0 for t in range(length - prompt_len)]
     records = []
     for i in range(n):
@@ -345,7 +347,9 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
 
 
 def step_flops(model, n_seqs: int, seq_len: int) -> tuple[float, float]:
-    """(matmul FLOPs, attention FLOPs) of one forward + backward over n_seqs x seq_len tokens."""
+    """(matmul FLOPs, attention FLOPs) of one forward + backward (3 x forward) over n_seqs x
+    seq_len tokens. Attention is counted causal (half of QK^T and AV): with no padding
+    transformers passes no mask and SDPA runs with is_causal=True."""
     c = model.config
     # 2-D weights are matmuls, except the embedding lookup; a tied embedding is counted once,
     # as the lm_head (named_parameters lists a tied weight once)
@@ -353,7 +357,7 @@ def step_flops(model, n_seqs: int, seq_len: int) -> tuple[float, float]:
     if not c.tie_word_embeddings:
         n_matmul -= model.get_input_embeddings().weight.numel()
     tokens = n_seqs * seq_len
-    attention = 3 * 4 * n_seqs * seq_len**2 * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    attention = 3 * 2 * n_seqs * seq_len**2 * c.num_attention_heads * c.head_dim * c.num_hidden_layers
     return 6 * n_matmul * tokens, attention
 
 

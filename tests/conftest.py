@@ -4,6 +4,7 @@ vLLM CPU must start before bm25s/numba is imported in this process (DESIGN.md §
 collected test uses `vllm_engine`, the engine is therefore started first, before any test runs.
 """
 
+import os
 import socket
 import subprocess
 import sys
@@ -47,7 +48,10 @@ def micro(tmp_path_factory):
     from world import world_dir
 
     base = tmp_path_factory.mktemp("micro")
-    path = write_micro_config(base / "micro.yaml", base / "cache")
+    # MICRO_CACHE=/some/dir reuses a micro world built there before (faster local reruns);
+    # CI leaves it unset and builds from nothing.
+    cache = Path(os.environ["MICRO_CACHE"]) if os.environ.get("MICRO_CACHE") else base / "cache"
+    path = write_micro_config(base / "micro.yaml", cache)
     subprocess.run([sys.executable, str(ROOT / "world.py"), "--config", str(path)], check=True, cwd=ROOT)
     cfg = load_config(path)
     return path, cfg, world_dir(cfg) / "policy", world_dir(cfg)

@@ -4,12 +4,14 @@
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
         --mixed_precision no --dynamo_backend no tests/fsdp_step.py SPEC.json    # 2 CPU processes, gloo
 
-SPEC.json: {"model": dir, "records": json file, "out": dir, "cases": [{"name", "overrides":
-[key=value, ..], "sharded_only"}, ..], "pad_id"}. For each case, a fresh copy of the model takes one grpo_step (with
-a real AdamW from train.make_optimizer); rank 0 writes out/<name>.json (loss, grad norm, KL,
-clip fraction, ...) and out/<name>.safetensors (the updated full weights, via
-distributed.full_weights). The first case also writes out/initial.safetensors before its step:
-the vLLM sync path on an untouched sharded model. tests/test_fsdp.py compares the runs.
+SPEC.json: {"model": dir, "records": json file, "pad_id": int, "out": dir, "cases": [{"name",
+"overrides": [key=value, ..], "sharded_only": bool}, ..]}. For each case a fresh copy of the
+model takes one grpo_step (optimizer from train.make_optimizer; the reference model only if
+distributed.needs_reference), and rank 0 writes out/<name>.json (loss, grad norm, KL, clip
+fraction, ...), out/<name>.safetensors (the updated full weights, via distributed.full_weights)
+and out/<name>.grads.safetensors (the last mini-batch's gradients). The first case also writes
+out/initial.safetensors before its step: the vLLM sync path on an untouched sharded model.
+tests/test_fsdp.py compares the runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,7 +59,8 @@ def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int,
     optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     t0 = time.time()
     stats = grpo_step(model, ref, records, optimizer, cfg, spec["pad_id"], step=0, rank=rank, world=world)
-    stats |= {"seconds": time.time() - t0, "world": world, "sharded": sharded}
+    reference = None if ref is None else "sharded" if isinstance(ref, FSDPModule) else "plain"
+    stats |= {"seconds": time.time() - t0, "world": world, "sharded": sharded, "reference": reference}
     distributed.save_full_state(model, out / f"{case['name']}.safetensors", rank)
     save_grads(model, out / f"{case['name']}.grads.safetensors", rank)
     if distributed.is_main(rank):

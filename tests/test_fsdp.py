@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -35,8 +36,10 @@ CASES = [
     # one update against the engine's (noisy) logprobs: ratios != 1, some tokens clip; no reference
     {"name": "engine_old_no_ref", "overrides": BASE + ["train.kl_coef=0", "train.loss_agg=seq-mean-token-mean"]},
     # no parity claimed, only that a sharded step runs: bf16 mixed precision, CPU offload
-    {"name": "bf16", "sharded_only": True, "overrides": BASE + ["train.bf16=true", "train.kl_coef=0.05"]},
-    {"name": "cpu_offload", "sharded_only": True, "overrides": BASE + ["train.cpu_offload=true", "train.kl_coef=0.05"]},
+    {"name": "bf16", "sharded_only": True, "overrides": BASE + [
+        "train.bf16=true", "train.kl_coef=0.05", "train.mini_batches=2"]},
+    {"name": "cpu_offload", "sharded_only": True, "overrides": BASE + [
+        "train.cpu_offload=true", "train.kl_coef=0.05", "train.grad_checkpointing=true"]},
 ]  # fmt: skip
 PARITY = [c["name"] for c in CASES if not c.get("sharded_only")]
 N_RECORDS = 12
@@ -91,7 +94,9 @@ def launch(spec_path: Path, world: int) -> subprocess.Popen:
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(free_port()), str(ROOT / "tests" / "fsdp_step.py"), str(spec_path)]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}  # 2 processes on 2 cores
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # own session: on failure the launcher and its workers are stopped together (killpg)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
 
 
 def write_spec(spec: dict, out: Path) -> Path:
@@ -110,9 +115,14 @@ def runs(tmp_path_factory):
     spec = build(tmp)
     t0 = time.time()
     proc = launch(write_spec(spec, tmp / "fsdp"), world=2)
-    fsdp_step.main(str(write_spec(spec, tmp / "single")))
-    t_single = time.time() - t0
-    log, _ = proc.communicate(timeout=300)
+    try:
+        fsdp_step.main(str(write_spec(spec, tmp / "single")))
+        t_single = time.time() - t0
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # a failure here, or a hung collective there
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
     assert proc.returncode == 0, log[-6000:]
     print(f"\nworld-1 run {t_single:.1f} s, 2-process FSDP launch {time.time() - t0:.1f} s (concurrent)")
     return tmp / "single", tmp / "fsdp", tmp / "model"
@@ -130,6 +140,7 @@ def test_fsdp_step_matches_single_process(runs, case):
     single, fsdp, model_dir = runs
     s, f = (json.loads((d / f"{case}.json").read_text()) for d in (single, fsdp))
     assert (s["world"], s["sharded"], f["world"], f["sharded"]) == (1, False, 2, True)
+    assert f["reference"] == ("sharded" if case == "kl_two_minibatches" else None)  # not loaded without KL
     assert _rel(f["loss"], s["loss"]) <= 1e-5, (f["loss"], s["loss"])
     assert _rel(f["grad_norm"], s["grad_norm"]) <= 1e-5, (f["grad_norm"], s["grad_norm"])
     for key in ("kl", "clip_frac", "entropy", "policy_tokens"):

@@ -34,7 +34,9 @@ def _close(a, b, key=""):
 def test_killed_run_resumes_exactly(micro, tmp_path):
     """Kill a run after step 2's checkpoint, resume it: steps 3-5 match an uninterrupted run to
     1e-6 (transformers engine; weights, optimizer, data order and RNG all come back)."""
-    train = {"steps": 5, "eval_every": 2, "threads": 1, "keep_checkpoints": 2}
+    # a constraint that comes on at step 2, so the resumed steps depend on the restored lambda
+    fmt = {"name": "em", "stat": "reward", "threshold": 0.9, "warmup_frac": 0.4, "eta": 0.5}
+    train = {"steps": 5, "eval_every": 2, "threads": 1, "keep_checkpoints": 2, "constraints": [fmt]}
     configs = {}
     for name, save_every in (("whole", 0), ("killed", 1)):
         configs[name] = write_micro_config(
@@ -73,6 +75,7 @@ def test_killed_run_resumes_exactly(micro, tmp_path):
         assert all(isinstance(r[key], float) for r in rows[1:]), key
     assert set(rows[1]["time"]) == {"generate", "retrieve", "reward", "train", "sync"}
     assert "em_2hop" in rows[2]["eval"] and "em_2hop" in rows[5]["eval"]
+    assert [r["lambda/em"] for r in rows[1:3]] == [0.0, 0.0] and rows[3]["lambda/em"] > 0  # warm-up, then on
     kept = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert kept == ["step_4", "step_5"], kept  # keep_checkpoints: 2
     assert (run / "checkpoints" / "step_5" / "model.safetensors").exists()

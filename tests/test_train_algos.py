@@ -1,0 +1,45 @@
+"""train.py's other algorithms end to end on the micro world (transformers engine, 2 steps
+each, run side by side): PPO with its critic, Reliable RFT, and the BAPO loop."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, write_micro_config
+
+RUNS = {
+    "ppo": {"algo": "ppo", "kl_in_reward": True, "kl_estimator": "k1", "critic_lr": 1e-3},
+    "rft": {"algo": "rft", "rft_accept": 1.0},
+    "bapo": {"reward": "bapo", "resample_groups": 2, "epochs": 2, "mini_batches": 2, "bapo_patience": 1},
+}
+
+
+def test_ppo_rft_and_bapo_loops_train_and_checkpoint(micro, tmp_path):
+    procs = {}
+    for name, extra in RUNS.items():
+        cfg = write_micro_config(
+            tmp_path / f"{name}.yaml", micro[1].world.cache_dir, rollout={"engine": "hf"}, eval={"max_questions": 4},
+            train={"steps": 2, "eval_every": 1, "save_every": 1, "threads": 1, "run_dir": str(tmp_path / name),
+                   "name": name} | extra,
+        )  # fmt: skip
+        procs[name] = subprocess.Popen([sys.executable, "train.py", "--config", str(cfg)], cwd=ROOT,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    rows = {}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+        run = next((tmp_path / name).glob(f"{name}-*"))
+        rows[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
+        assert [r["step"] for r in rows[name]] == [1, 2]
+    for r in rows["ppo"]:
+        assert r["value_loss"] >= 0 and r["critic_grad_norm"] > 0 and "value_mean" in r
+    ppo_run = next((tmp_path / "ppo").glob("ppo-*"))
+    assert (ppo_run / "checkpoints" / "step_2" / "critic" / "value_head.safetensors").exists()
+    for r in rows["rft"]:
+        assert 0.0 <= r["rft_kept"] <= 1.0
+        assert (r["rft_kept"] > 0) == ("loss" in r)  # no accepted rollout: no update
+    for r in rows["bapo"]:
+        assert r["resampled_groups"] >= 0 and r["bapo_stage"] in ("exploration", "plateau")
+        assert f"idk_rate/{r['bapo_stage']}" in r
+        assert {"reward/correct", "reward/idk_bonus", "reward/gate"} <= set(r)
+    assert rows["bapo"][0]["bapo_stage"] == "exploration"  # the stage logic itself: test_rewards.py
