@@ -198,3 +198,51 @@ def test_sharded_step_runs(runs, case):
     _, fsdp, _ = runs
     stats = json.loads((fsdp / f"{case}.json").read_text())
     assert stats["sharded"] and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
+
+
+def test_two_process_training_run_matches_one_process_and_resumes(micro, tmp_path):
+    """train.py itself under a 2-process launch (rank 0 rolls out, both ranks update, full
+    weights gathered layer by layer into the engine): steps 1-2 match a 1-process run to 1e-5,
+    and the sharded checkpoint resumes under 2 processes (not under 1: a clear error)."""
+    from conftest import ROOT, free_port, write_micro_config
+
+    cfgs = {}
+    for name, fsdp in (("one", False), ("two", True)):
+        cfgs[name] = write_micro_config(
+            tmp_path / f"{name}.yaml", micro[1].world.cache_dir, rollout={"engine": "hf"},
+            train={"steps": 2, "eval_every": 0, "save_every": 1, "threads": 1, "kl_coef": 0.01, "fsdp": fsdp,
+                   "run_dir": str(tmp_path / name), "name": name},
+        )  # fmt: skip
+
+    def launch_two() -> list[str]:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()), "train.py"]  # fmt: skip
+
+    one = subprocess.Popen([sys.executable, "train.py", "--config", str(cfgs["one"])], cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    two = subprocess.run(launch_two() + ["--config", str(cfgs["two"])], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert one.wait(timeout=600) == 0, one.stderr.read()[-3000:]
+    rows = {}
+    for name in cfgs:
+        run = next((tmp_path / name).glob(f"{name}-*"))
+        rows[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows["two"]] == [1, 2]
+    for a, b in zip(rows["one"], rows["two"]):
+        assert a["reward"] == b["reward"] and a["policy_tokens"] == b["policy_tokens"]  # same rollouts
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert _rel(a[key], b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+    assert rows["two"][1]["kl"] > 0  # step 2 moved off the reference: the update and sync happened
+    run = next((tmp_path / "two").glob("two-*"))
+    ckpt = run / "checkpoints" / "step_2"
+    assert {"model.safetensors", "optimizer.rank0.pt", "optimizer.rank1.pt"} <= {p.name for p in ckpt.iterdir()}
+    single = subprocess.run([sys.executable, "train.py", "--resume", str(run), "--set", "train.steps=3"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert single.returncode != 0 and "written by 2 processes" in single.stderr and "Traceback" not in single.stderr
+    again = subprocess.run(launch_two() + ["--resume", str(run), "--set", "train.steps=3"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
