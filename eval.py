@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.set)
     except (ConfigError, FileNotFoundError) as e:
         parser.error(str(e))
+    from data import data_paths, load_questions, make_search_fn
     from engine import load_tokenizer, make_engine
-    from train import data_paths, load_questions, make_search_fn
 
     if args.model:
         model_dir = Path(args.model)

@@ -39,7 +39,6 @@ import copy
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +55,7 @@ from constraints import batch_statistic, dual_update, parse_constraints, reward_
 from constraints import log_row as constraint_log
 from constraints import restore as restore_constraints
 from constraints import state as constraint_state
+from data import data_paths, ensure_policy, load_questions, make_search_fn
 from engine import load_policy, load_tokenizer, make_engine
 from rewards import BapoState, bapo_resample_groups, score
 from rollout import rollout_batch
@@ -362,75 +362,7 @@ def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> li
 
 
 # ---------------------------------------------------------------------------------------------
-# Data, retriever and run directory.
-
-
-def ensure_policy(cfg: Config, run_dir: Path) -> Path:
-    """The starting policy: `model.path` if given, else the tiny world's cached SFT policy.
-
-    The tiny world is built in a child process: its teacher uses bm25s (numba), which must not
-    be imported in a process that will start vLLM afterwards (DESIGN.md §6).
-    """
-    if cfg.model.path:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path has no model: {path / 'config.json'} not found")
-        return path
-    from world import world_dir
-
-    policy = world_dir(cfg) / "policy"
-    if not (policy / "DONE").exists():
-        print(f"building the tiny world and SFT warm start in {policy.parent} (cached) ...", flush=True)
-        subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("world.py")), "--config", str(run_dir / "config.yaml")],
-            check=True,
-        )
-    return policy
-
-
-def data_paths(cfg: Config) -> dict[str, Path]:
-    """corpus/train/val/test files: the `data` section, or the tiny world's cache when empty."""
-    from world import world_dir
-
-    paths = {}
-    for kind in ("corpus", "train", "val", "test"):
-        given = getattr(cfg.data, kind)
-        paths[kind] = Path(given) if given else world_dir(cfg) / f"{kind}.jsonl"
-    for kind in ("corpus", "train", "val"):
-        if not paths[kind].is_file():
-            raise FileNotFoundError(f"{kind} file not found: {paths[kind]}")
-    return paths
-
-
-def load_questions(path: Path) -> list[dict]:
-    """FlashRAG jsonl; an empty question is an error that names the line."""
-    from world import read_jsonl
-
-    questions = read_jsonl(path)
-    for n, q in enumerate(questions, 1):
-        if not str(q.get("question", "")).strip():
-            raise DataError(f"{path}:{n}: empty question (id {q.get('id')!r})")
-        if not q.get("golden_answers"):
-            raise DataError(f"{path}:{n}: no golden_answers (id {q.get('id')!r})")
-    if not questions:
-        raise DataError(f"{path}: no questions")
-    return questions
-
-
-def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
-    """Batched search tool: list of queries -> rendered hits, in process or over HTTP
-    (retriever.open_search). Imports bm25s: call after vLLM has started."""
-    from retriever import format_hits, open_search
-
-    search = open_search(cfg.retriever, corpus_path)
-
-    def search_fn(queries: list[str]) -> list[str]:
-        t = time.time()
-        out = [format_hits(h) for h in search(queries, cfg.retriever.topk)]
-        timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
-        return out
-
-    return search_fn
+# Run directory and metrics.
 
 
 def new_run_dir(cfg: Config) -> Path:

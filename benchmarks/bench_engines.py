@@ -27,9 +27,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions per engine")
     args = parser.parse_args()
     cfg = load_config(args.config)
+    from data import data_paths, load_questions, make_search_fn
     from engine import load_tokenizer, make_engine
     from rollout import rollout_batch
-    from train import data_paths, load_questions, make_search_fn
     from world import world_dir
 
     policy = Path(cfg.model.path) if cfg.model.path else world_dir(cfg) / "policy"

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import ROOT
 
+from data import make_search_fn
 from engine import load_policy, load_tokenizer, make_engine
 from rollout import STOP
 from sft import token_logprobs
-from train import make_search_fn
 
 
 def check_record(r, tokenizer, max_turns):
@@ -37,7 +37,7 @@ def check_record(r, tokenizer, max_turns):
 @pytest.fixture(scope="module")
 def setup(micro):
     path, cfg, policy, world = micro
-    from train import data_paths, load_questions
+    from data import data_paths, load_questions
 
     tok = load_tokenizer(policy)
     calls = []

@@ -187,9 +187,9 @@ def test_open_search_over_http_equals_in_process(server, search_world):
 
 def test_rollouts_see_the_same_observations_over_http(vllm_engine, micro):
     """The rollout loop with retriever.url set: same greedy records as with the in-process index."""
+    from data import load_questions, make_search_fn
     from engine import load_tokenizer
     from rollout import rollout_batch
-    from train import load_questions, make_search_fn
 
     _, cfg, policy, world = micro
     tokenizer = load_tokenizer(policy)
