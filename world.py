@@ -215,7 +215,9 @@ def world_key(cfg: Config) -> str:
     parts = {
         "world": vars(cfg.world) | {"cache_dir": None},
         "model": vars(cfg.model),
-        "sft": vars(cfg.sft) | {"probe_every": None},  # a diagnostic; it changes no weights
+        # probe_every is a diagnostic (it changes no weights); an unset confidence keeps the key
+        # of worlds built before the option existed
+        "sft": {k: v for k, v in vars(cfg.sft).items() if k != "confidence" or v} | {"probe_every": None},
         "topk": cfg.retriever.topk,
         "max_obs_tokens": cfg.rollout.max_obs_tokens,
         "prompt": cfg.rollout.prompt_template,
