@@ -453,6 +453,13 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     main_proc = rank == 0
     if world > 1 and not cfg.train.fsdp:
         raise ConfigError(f"{world} processes need train.fsdp: true (there is no replicated data-parallel mode)")
+    if world > 1 and cfg.rollout.engine == "vllm":
+        # vLLM in process adopts the existing default process group and then builds its own
+        # groups over every rank, which hangs while the other ranks wait in training code.
+        raise ConfigError(
+            "several processes roll out with rollout.engine: hf for now; an in-process vLLM engine "
+            "on rank 0 would join the training process group and hang (README, Training)"
+        )
     if world > 1 and cfg.train.algo == "ppo":
         raise ConfigError("algo ppo runs in one process for now: the critic is not sharded")
     torch.manual_seed(cfg.train.seed)
@@ -476,7 +483,8 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     model = memory_savers(load_policy(start_dir).eval(), cfg).to(device)
     ref = None
     if cfg.train.kl_coef > 0 and cfg.train.algo != "rft":  # the frozen reference is the starting policy
-        ref = load_policy(ensure_policy(cfg, run) if resume_from else start_dir).eval().requires_grad_(False)
+        ref_dir = ensure_policy(cfg, run) if resume_from else start_dir  # frozen: model.dtype, no fp32 master
+        ref = load_policy(ref_dir, cfg.model.dtype).eval().requires_grad_(False)
         ref = ref.to(device)
     if world > 1:
         model, ref = shard(model, cfg), shard_reference(ref, cfg)

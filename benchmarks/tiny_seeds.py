@@ -1,15 +1,22 @@
-"""The foundation's learning claim: GRPO with search on the tiny world, several seeds.
+"""Learning claims on the tiny world: one config, several seeds, a table of start vs end.
 
     python benchmarks/tiny_seeds.py --config configs/tiny.yaml --seeds 0 1 2
+    python benchmarks/tiny_seeds.py --config configs/tiny_ppo.yaml --seeds 0 1 2 --parallel 2
+    python benchmarks/tiny_seeds.py --config configs/tiny_lagrangian.yaml --seeds 0 1 2 \
+        --keys em_1hop em_2hop reward/reliability reward/acc --train-keys lambda/reliability
 
 Runs `train.py` once per seed (same cached SFT start, different rollout sampling), then prints
-greedy validation EM per question type at step 0 (the SFT policy) and at the last step, the
-mean number of searches per 2-hop question, and the wall time of each run, as a markdown table
-with mean ± spread (spread = max - min over seeds).
+greedy validation metrics (`--keys`, from the eval lines of metrics.jsonl) at step 0 (the SFT
+policy) and at the last step, training-batch series (`--train-keys`) at the first and last
+step, and the wall time of each run (curves in each RUN/curves/), as a markdown table with mean ± spread (spread = max -
+min over seeds). `--parallel 2` runs two seeds at once with one torch thread each: on two
+cores that is faster than one run with two threads, and two processes with two threads each
+on two cores is far slower (spinning thread pools; README "Notes").
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -19,34 +26,59 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_seed(args, seed: int, threads: int) -> subprocess.Popen:
+    name = f"{args.name}{seed}"
+    cmd = [sys.executable, "train.py", "--config", args.config, "--set", f"train.seed={seed}",
+           "--set", f"train.name={name}", "--set", f"train.threads={threads}",
+           *sum((["--set", s] for s in args.set), [])]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def collect(args, seed: int, minutes: float) -> dict:
+    run = max((ROOT / "runs").glob(f"{args.name}{seed}-*"), key=lambda p: p.stat().st_mtime)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval" in r]
+    steps = [r for r in rows if "reward" in r]
+    return {"seed": seed, "run": str(run), "minutes": minutes, "start": evals[0]["eval"], "end": evals[-1]["eval"],
+            "train_start": steps[0], "train_end": steps[-1]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml", help="training config")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed values")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra overrides")
+    parser.add_argument("--name", default="seed", help="run name prefix (runs/<name><seed>-<time>)")
+    parser.add_argument("--keys", nargs="+", default=["em_1hop", "em_2hop", "searches_2hop"],
+                        help="eval metrics to tabulate")  # fmt: skip
+    parser.add_argument("--train-keys", nargs="*", default=[], help="training-batch metrics (first vs last step)")
+    parser.add_argument("--parallel", type=int, default=1, help="seeds run at once (each with one torch thread)")
+    parser.add_argument("--threads", type=int, help="torch threads per run (default: 1 with --parallel > 1, else 2)")
     args = parser.parse_args()
+    threads = args.threads or (1 if args.parallel > 1 else 2)
     rows = []
-    for seed in args.seeds:
-        name = f"seed{seed}"
+    pending = list(args.seeds)
+    while pending:
+        batch, pending = pending[: args.parallel], pending[args.parallel :]
         t = time.time()
-        cmd = [sys.executable, "train.py", "--config", args.config, "--set", f"train.seed={seed}",
-               "--set", f"train.name={name}", *sum((["--set", s] for s in args.set), [])]  # fmt: skip
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        minutes = (time.time() - t) / 60
-        run = max((ROOT / "runs").glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
-        evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval" in r]
-        start, end = evals[0]["eval"], evals[-1]["eval"]
-        rows.append({"seed": seed, "run": str(run), "minutes": minutes, "start": start, "end": end})
-    keys = ["em_1hop", "em_2hop", "searches_2hop"]
-    print("| metric | SFT start | after GRPO | change |\n|---|---|---|---|")
-    for k in keys:
-        a = [r["start"][k] for r in rows]
-        b = [r["end"][k] for r in rows]
-        d = [y - x for x, y in zip(a, b)]
-        fmt = lambda v: f"{statistics.mean(v):.3f} ± {max(v) - min(v):.3f}"  # noqa: E731
-        print(f"| {k} | {fmt(a)} | {fmt(b)} | {fmt(d)} |")
+        procs = {seed: run_seed(args, seed, threads) for seed in batch}
+        for seed, proc in procs.items():
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                sys.exit(f"seed {seed} failed:\n{err[-3000:]}")
+            rows.append(collect(args, seed, (time.time() - t) / 60))
+            subprocess.run([sys.executable, "eval.py", "curves", rows[-1]["run"]], cwd=ROOT, check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip  (RUN/curves/*.png)
+    fmt = lambda v: f"{statistics.mean(v):.3f} ± {max(v) - min(v):.3f}"  # noqa: E731
+    print("| metric | start | end | change |\n|---|---|---|---|")
+    for key, start, end in [(k, "start", "end") for k in args.keys] + [(k, "train_start", "train_end")
+                                                                        for k in args.train_keys]:  # fmt: skip
+        a = [r[start].get(key, float("nan")) for r in rows]
+        b = [r[end].get(key, float("nan")) for r in rows]
+        print(f"| {key} | {fmt(a)} | {fmt(b)} | {fmt([y - x for x, y in zip(a, b)])} |")
     print(f"| minutes per run | | {statistics.mean(r['minutes'] for r in rows):.1f} | |")
-    print(json.dumps(rows, indent=1))
+    print(json.dumps([{k: v for k, v in r.items() if not k.startswith("train_")} for r in rows], indent=1))
 
 
 if __name__ == "__main__":
