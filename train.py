@@ -3,6 +3,8 @@
     python train.py --config configs/tiny.yaml                 # the embedded tiny world, CPU
     python train.py --config configs/tiny.yaml --set train.steps=5 --set rollout.engine=hf
     python train.py --resume runs/tiny-20261122-010203         # continue a killed run
+    python train.py --config configs/tiny_ppo.yaml               # PPO; also tiny_lagrangian.yaml
+    python train.py --config X --plan                          # per-GPU memory plan, no model loaded
 
 One step, top to bottom (each line is a function below):
 
@@ -20,15 +22,24 @@ One step, top to bottom (each line is a function below):
                Options (config train.*): kl_estimator k1/k2/k3, kl_in_reward, adv_std
                group/batch/none, loss_agg (token-mean, seq-mean-token-mean, Dr.GRPO's
                seq-mean-token-sum-norm), clip_eps_high (clip-higher), dual_clip, entropy_coef.
-  5. update    AdamW, gradient-norm clip
+  5. update    AdamW (or 8-bit AdamW), gradient-norm clip; `epochs` x `mini_batches` updates per
+               batch, pi_old then recomputed by the trainer
   6. sync      push the new weights into the vLLM engine (engine.load_weights)
+
+Variants of the same loop (config train.*): `constraints` add Lagrange multipliers to the reward
+(constraints.py, Deliberative Searcher Alg. 1); `algo: ppo` replaces step 3 with a critic and
+GAE (ppo.py); `algo: rft` keeps only accepted rollouts and fine-tunes on them (BAPO's
+baseline); `reward: bapo` adds BAPO's resampling and stage switch. Several processes
+(`accelerate launch --multi_gpu`, distributed.py): rank 0 runs steps 1-3, every rank step 5 on
+its FSDP shard, and step 6 gathers the full weights one tensor at a time.
 
 Worked example of step 3: a group of 4 rewards [1, 0, 0, 1] has mean 0.5 and std 0.577, so
 the advantages are [+0.866, -0.866, -0.866, +0.866].
 
 The run directory `runs/<name>-<time>/` holds config.yaml (resolved), metrics.jsonl (one line
-per step, plus eval lines), samples/step_<k>.jsonl (rollout records), checkpoints/step_<k>/
-(safetensors + optimizer state) and eval_*.json.
+per step, plus eval lines), samples/step_<k>.jsonl (rollout records) and checkpoints/step_<k>/
+(checkpoint.py: weights, optimizer, RNG, data order, lambda, ...). `python eval.py curves RUN`
+draws it.
 """
 
 from __future__ import annotations

@@ -205,8 +205,11 @@ def rss_child(name: str, steps: int, n_seqs: int, seq_len: int) -> dict:
     }  # fmt: skip
 
 
-def run_rss(reps: int, steps: int, n_seqs: int, seq_len: int) -> list[dict]:
-    """Each configuration in a fresh interpreter; order reversed on every other repetition."""
+def run_rss(reps: int, steps: int, n_seqs: int, seq_len: int, mmap_threshold: bool = False) -> list[dict]:
+    """Each configuration in a fresh interpreter; order reversed on every other repetition.
+    mmap_threshold: glibc serves every allocation over 64 KiB with its own mmap and returns it
+    on free, so RSS follows the live tensors instead of keeping freed heap (MALLOC_MMAP_THRESHOLD_)."""
+    env = os.environ | ({"MALLOC_MMAP_THRESHOLD_": "65536"} if mmap_threshold else {})
     rows = []
     for rep in range(reps):
         names = list(CONFIGS) if rep % 2 == 0 else list(reversed(CONFIGS))
@@ -214,7 +217,7 @@ def run_rss(reps: int, steps: int, n_seqs: int, seq_len: int) -> list[dict]:
             print(f"  rss: {name} (rep {rep + 1}/{reps}) ...", flush=True)
             cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps),
                    "--seqs", str(n_seqs), "--seq-len", str(seq_len)]  # fmt: skip
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]) | {"rep": rep})
     return rows
 
@@ -419,6 +422,9 @@ def main() -> None:
     parser.add_argument("--parts", default="rss,padding,flops", help="comma list of rss, padding, flops")
     parser.add_argument("--reps", type=int, default=3, help="alternated repetitions of the flops part")
     parser.add_argument("--rss-reps", type=int, default=1, help="passes over the four rss configurations")
+    parser.add_argument(
+        "--mmap-threshold", action="store_true", help="rss children with MALLOC_MMAP_THRESHOLD_=65536 (no heap slack)"
+    )
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rss configuration")
     parser.add_argument("--seqs", type=int, default=8, help="fake rollouts per step")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per fake rollout")
@@ -435,8 +441,9 @@ def main() -> None:
     if "rss" in parts or "flops" in parts:
         ensure_model()
     if "rss" in parts:
-        raw["rss"] = run_rss(args.rss_reps, args.steps, args.seqs, args.seq_len)
-        print(f"\npeak RSS of grpo_step, {args.seqs} x {args.seq_len} tokens, fp32, {args.steps} steps, "
+        raw["rss"] = run_rss(args.rss_reps, args.steps, args.seqs, args.seq_len, args.mmap_threshold)
+        malloc = "MALLOC_MMAP_THRESHOLD_=65536" if args.mmap_threshold else "glibc malloc defaults"
+        print(f"\npeak RSS of grpo_step, {args.seqs} x {args.seq_len} tokens, fp32, {args.steps} steps, {malloc}, "
               f"fresh process each (median of {args.rss_reps}):\n{rss_table(raw['rss'])}\n", flush=True)  # fmt: skip
     if "padding" in parts:
         raw["padding"] = run_padding(128, [8192, 4096, 2048])
