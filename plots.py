@@ -67,13 +67,14 @@ def draw_curves(run: Path, out_dir: Path | None = None, thresholds: dict[str, fl
             continue
         fig, ax = plt.subplots(figsize=(6.4, 3.8))
         twin = None
-        for key in keys:
+        for i, key in enumerate(keys):
             steps, values = zip(*series[key])
             target = ax
             if key.startswith("lambda/"):  # multipliers on their own axis: a different scale
                 twin = twin or ax.twinx()
                 target = twin
-            target.plot(steps, values, marker="o" if len(steps) < 12 else None, ms=3, label=key)
+            # one colour cycle across both axes, so a lambda never shares its statistic's colour
+            target.plot(steps, values, marker="o" if len(steps) < 12 else None, ms=3, label=key, color=f"C{i}")
         if family == "lagrangian" and thresholds:
             for name, a in thresholds.items():
                 ax.axhline(a, ls="--", color="grey", lw=1, label=f"threshold {name} = {a}")

@@ -647,6 +647,8 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
     for r, adv in zip(records, advantages):
         r["advantages"] = adv.tolist()
     stats = grpo_step(model, ref, records, optimizer, cfg, pad_id, step)
+    if kls is not None:  # the loss carries no KL term here, so report the reward's
+        stats["kl"] = float(sum(k.sum() for k in kls)) / max(1.0, float(sum(s["sampled"].sum() for s in seqs)))
     for r in records:
         del r["advantages"]  # per-token lists would bloat samples/*.jsonl
     critic_stats = critic_step(critic, critic_opt, records, values, returns, tcfg.value_clip,

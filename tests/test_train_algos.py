@@ -33,6 +33,7 @@ def test_ppo_rft_and_bapo_loops_train_and_checkpoint(micro, tmp_path):
         assert [r["step"] for r in rows[name]] == [1, 2]
     for r in rows["ppo"]:
         assert r["value_loss"] >= 0 and r["critic_grad_norm"] > 0 and "value_mean" in r
+    assert abs(rows["ppo"][0]["kl"]) < 1e-6 < rows["ppo"][1]["kl"]  # KL in the reward: 0 until the first update
     ppo_run = next((tmp_path / "ppo").glob("ppo-*"))
     assert (ppo_run / "checkpoints" / "step_2" / "critic" / "value_head.safetensors").exists()
     for r in rows["rft"]:
