@@ -562,8 +562,9 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             for c in constraints:
                 if c.measure == "train":
                     dual_update(c, batch_statistic(c.stat, records))
-            for r in records:
-                r.pop("_parsed", None)  # a parse cache; the other ranks get plain records
+            if world > 1:  # the parse cache (answers.parsed) stays on rank 0; the others get plain records
+                for r in records:
+                    r.pop("_parsed", None)
         records = broadcast(records, world)
         if cfg.train.kl_in_reward and ref is not None and cfg.train.algo == "grpo":
             for r, kl in zip(records, kl_penalties(ref, records, cfg, tokenizer.pad_token_id)):
