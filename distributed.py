@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import Config
+from config import Config, ConfigError
 
 # Name parts that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
 # DDP). FSDP2 adds none, but vLLM's load_weights must never see them whatever wrapped the model.
@@ -83,7 +83,7 @@ def close(world: int) -> None:
 def needs_reference(cfg: Config) -> bool:
     """The frozen reference is only used for the KL term (loss or reward); without it, skip
     loading a second copy of the model altogether."""
-    return cfg.train.kl_coef > 0
+    return cfg.train.kl_coef > 0 and cfg.train.algo != "rft"
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -111,28 +111,30 @@ def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
             "reshard_after_forward": reshard_after_forward}  # fmt: skip
 
 
-def shard(model, cfg: Config, reshard_after_forward: bool = True):
-    """FSDP2 on every decoder layer, then on the root (embeddings, final norm, lm_head: tied
-    weights stay together in the root unit). Gradient checkpointing first (train.memory_savers),
-    so its recomputation happens inside each layer's unsharded window. fully_shard moves each
-    unit to this process's device (or keeps its shard on the host with cpu_offload). Build the
-    optimizer afterwards: the parameters become DTensors holding this process's shard.
-
-    reshard_after_forward=False keeps the gathered weights from forward to backward: one
-    all-gather per layer less, at the cost of the full model in memory during the step."""
+def _shard_layers(model, kwargs: dict):
+    """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head: tied
+    weights stay together in the root unit)."""
     from torch.distributed.fsdp import fully_shard
 
-    from train import memory_savers
-
-    if cfg.train.optimizer == "adamw8bit":  # fails at the first step otherwise, after a rollout
-        raise ValueError("train.optimizer=adamw8bit cannot step FSDP's sharded parameters (bitsandbytes 0.50: "
-                         "'got mixed torch.Tensor and DTensor'); use adamw with train.fsdp")  # fmt: skip
-    memory_savers(model, cfg)
-    kwargs = _fsdp_kwargs(cfg, reshard_after_forward)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def shard(model, cfg: Config, reshard_after_forward: bool = True):
+    """FSDP2 on every decoder layer, then on the root. Turn on gradient checkpointing before
+    (train.memory_savers), so its recomputation happens inside each layer's unsharded window.
+    fully_shard moves each unit to this process's device (or keeps its shard on the host with
+    cpu_offload). Build the optimizer afterwards: the parameters become DTensors holding this
+    process's shard.
+
+    reshard_after_forward=False keeps the gathered weights from forward to backward: one
+    all-gather per layer less, at the cost of the full model in memory during the step."""
+    if cfg.train.optimizer == "adamw8bit":  # fails at the first step otherwise, after a rollout
+        raise ConfigError("train.optimizer=adamw8bit cannot step FSDP's sharded parameters (bitsandbytes 0.50: "
+                          "'got mixed torch.Tensor and DTensor'); use adamw with train.fsdp")  # fmt: skip
+    return _shard_layers(model, _fsdp_kwargs(cfg, reshard_after_forward))
 
 
 def shard_reference(ref_model, cfg: Config):
@@ -140,14 +142,8 @@ def shard_reference(ref_model, cfg: Config):
     None when the config has no KL term (then do not load it: see needs_reference)."""
     if ref_model is None or not needs_reference(cfg):
         return None
-    from torch.distributed.fsdp import fully_shard
-
     ref_model.eval().requires_grad_(False)
-    kwargs = _fsdp_kwargs(cfg, reshard_after_forward=True)
-    for layer in decoder_layers(ref_model):
-        fully_shard(layer, **kwargs)
-    fully_shard(ref_model, **kwargs)
-    return ref_model
+    return _shard_layers(ref_model, _fsdp_kwargs(cfg, reshard_after_forward=True))
 
 
 def plain_name(name: str) -> str:

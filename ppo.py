@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sft import pad_batch, token_budget_batches
+from sft import pad_batch, pad_rows, per_position, policy_positions, token_budget_batches
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -138,21 +138,6 @@ def value_loss(
 # Records (rollout.py dicts) <-> per-position tensors.
 
 
-def policy_positions(record: dict, mask_retrieved: bool = True) -> list[int]:
-    """Per-position mask (length len(ids) - 1) of a record: 1 where the next token is a policy
-    token. mask_retrieved=False (Search-R1's ablation) counts retrieved tokens too, as
-    train.grpo_step does."""
-    response = record["loss_mask"] if mask_retrieved else [1] * len(record["response_ids"])
-    return ([0] * len(record["prompt_ids"]) + list(response))[1:]
-
-
-def _pad_rows(rows: list, width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
-    return out
-
-
 def ppo_advantages(
     records: list[dict],
     values: list[torch.Tensor],
@@ -169,10 +154,10 @@ def ppo_advantages(
     per-position KL(pi_old || ref) estimates (k1 in Search-R1), or None."""
     masks = [policy_positions(r, mask_retrieved) for r in records]
     width = max(len(m) for m in masks)
-    mask = _pad_rows(masks, width)
-    kl = _pad_rows(kls, width) if kls is not None else None
+    mask = pad_rows(masks, width)
+    kl = pad_rows(kls, width) if kls is not None else None
     rewards = token_rewards(torch.tensor(scores, dtype=torch.float32), mask, kl, kl_coef)
-    adv, ret = gae(rewards, _pad_rows(values, width), mask, gamma, lam)
+    adv, ret = gae(rewards, pad_rows(values, width), mask, gamma, lam)
     if whiten_advantages:  # batch-level, over policy tokens only (Search-R1 / verl)
         adv = whiten(adv, mask)
     return [adv[i, : len(m)] for i, m in enumerate(masks)], [ret[i, : len(m)] for i, m in enumerate(masks)]
@@ -241,23 +226,11 @@ def critic_optimizer(critic: Critic, lr: float = 1e-5, weight_decay: float = 0.0
     return torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay)
 
 
-def _sequences(records: list[dict]) -> list[list[int]]:
-    return [r["prompt_ids"] + r["response_ids"] for r in records]
-
-
-@torch.no_grad()
 def critic_values(critic: Critic, records: list[dict], micro_batch_tokens: int, pad_id: int) -> list[torch.Tensor]:
-    """V for every position of every record (float32, length len(ids) - 1), no gradient.
-    Right padding does not change a row's values (causal attention)."""
-    seqs = _sequences(records)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(records)
+    """V for every position of every record (float32, length len(ids) - 1), no gradient."""
     critic.eval()
-    for idx in token_budget_batches([len(s) for s in seqs], micro_batch_tokens, random.Random(0)):
-        ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
-        values = critic(ids, attn)
-        for row, i in enumerate(idx):
-            out[i] = values[row, : len(seqs[i]) - 1].clone()
-    return out
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
+    return per_position(critic, seqs, micro_batch_tokens, pad_id)
 
 
 def critic_step(
@@ -278,7 +251,7 @@ def critic_step(
     divided by the batch's total policy-token count, so micro-batching does not change the
     gradient. Returns value_loss, value_clip_frac, critic_grad_norm and value_mean (the
     critic's V on policy tokens before the step)."""
-    seqs = _sequences(records)
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
     masks = [policy_positions(r, mask_retrieved) for r in records]
     n_tokens = max(1, sum(sum(m) for m in masks))
     critic.train()
@@ -287,9 +260,9 @@ def critic_step(
     for idx in token_budget_batches([len(s) for s in seqs], micro_batch_tokens, random.Random(0)):
         ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
         width = ids.shape[1] - 1
-        m = _pad_rows([masks[i] for i in idx], width)
-        old = _pad_rows([old_values[i] for i in idx], width)
-        ret = _pad_rows([returns[i] for i in idx], width)
+        m = pad_rows([masks[i] for i in idx], width)
+        old = pad_rows([old_values[i] for i in idx], width)
+        ret = pad_rows([returns[i] for i in idx], width)
         values = critic(ids, attn)
         loss, clipped = _value_loss_terms(values, old, ret, cfg_clip)
         ((loss * m).sum() / n_tokens).backward()

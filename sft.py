@@ -132,6 +132,36 @@ def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
+def pad_rows(rows: list, width: int) -> torch.Tensor:
+    """Per-position rows (lists or tensors) right-padded with 0 into one float32 [B, width]."""
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
+    return out
+
+
+def policy_positions(record: dict, mask_retrieved: bool = True) -> list[int]:
+    """Per-position mask of a rollout record (length len(prompt + response) - 1; position t-1
+    predicts token t): 1 where the predicted token is a policy token. mask_retrieved=False
+    (Search-R1's ablation) counts every response token, retrieved ones too."""
+    response = record["loss_mask"] if mask_retrieved else [1] * len(record["response_ids"])
+    return ([0] * len(record["prompt_ids"]) + list(response))[1:]
+
+
+@torch.no_grad()
+def per_position(fn, seqs: list[list[int]], micro_batch_tokens: int, pad_id: int) -> list[torch.Tensor]:
+    """fn(input_ids, attention_mask) -> [B, T-1] over token-budget micro-batches, split back into
+    one float32 row per sequence (length len(seq) - 1): log-probs of a policy or reference,
+    values of a critic. Right padding changes no row (causal attention)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    for idx in token_budget_batches([len(s) for s in seqs], micro_batch_tokens, random.Random(0)):
+        ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
+        values = fn(ids, attn).float().cpu()
+        for row, i in enumerate(idx):
+            out[i] = values[row, : len(seqs[i]) - 1].clone()
+    return out
+
+
 def sft_train(
     model, examples: list[tuple[list[int], list[int]]], scfg: SFTConfig, pad_id: int, seed: int = 0, probe=None
 ) -> tuple[list[float], list[dict]]:

@@ -70,7 +70,7 @@ from data import data_paths, ensure_policy, load_questions, make_search_fn
 from engine import load_policy, load_tokenizer, make_engine
 from rewards import BapoState, bapo_resample_groups, score
 from rollout import rollout_batch
-from sft import pad_batch, token_budget_batches, token_logprobs
+from sft import pad_batch, pad_rows, per_position, policy_positions, token_budget_batches, token_logprobs
 
 # ---------------------------------------------------------------------------------------------
 # The GRPO math (DESIGN.md §4). Pure functions on tensors, tested in tests/test_grpo.py.
@@ -180,13 +180,12 @@ def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[d
     out = []
     for r in records:
         n = len(r["prompt_ids"])
-        sampled = [0] * n + list(r["loss_mask"])
-        loss_mask = sampled if mask_retrieved else [0] * n + [1] * len(r["response_ids"])
-        adv = r["advantages"] if "advantages" in r else [float(r.get("advantage", 0.0))] * (len(sampled) - 1)
+        sampled = policy_positions(r)
+        adv = r["advantages"] if "advantages" in r else [float(r.get("advantage", 0.0))] * len(sampled)
         out.append({
             "ids": r["prompt_ids"] + r["response_ids"],
-            "loss_mask": torch.tensor(loss_mask[1:], dtype=torch.float32),
-            "sampled": torch.tensor(sampled[1:], dtype=torch.float32),
+            "loss_mask": torch.tensor(policy_positions(r, mask_retrieved), dtype=torch.float32),
+            "sampled": torch.tensor(sampled, dtype=torch.float32),
             "engine_logp": torch.tensor(([0.0] * n + list(r["logprobs"]))[1:], dtype=torch.float32),
             "adv": torch.as_tensor(adv, dtype=torch.float32),
         })  # fmt: skip
@@ -196,15 +195,13 @@ def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[d
 def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int, bf16: bool = False) -> list:
     """log pi(token t | tokens < t) of every position of every sequence, no gradient: the
     reference model's logprobs, or pi_old recomputed by the trainer before the first update."""
-    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     device = _compute_device(model)
-    for idx in token_budget_batches([len(s["ids"]) for s in seqs], micro_batch_tokens, random.Random(0)):
-        ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
-        with torch.no_grad(), _autocast(bf16):
-            logp = token_logprobs(model, ids.to(device), attn.to(device)).float().cpu()
-        for row, i in enumerate(idx):
-            out[i] = logp[row, : len(seqs[i]["ids"]) - 1]
-    return out
+
+    def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        with _autocast(bf16):
+            return token_logprobs(model, ids.to(device), attn.to(device))
+
+    return per_position(logprobs, [s["ids"] for s in seqs], micro_batch_tokens, pad_id)
 
 
 def _compute_device(model) -> torch.device:
@@ -216,13 +213,6 @@ def _compute_device(model) -> torch.device:
 
 def _autocast(bf16: bool):
     return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=bf16)
-
-
-def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
 
 
 def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad_id: int,
@@ -290,23 +280,23 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         width = max(len(seqs[i]["ids"]) for i in idx)
         ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
         ids, attn = ids.to(device), attn.to(device)
-        m = _pad([seqs[i]["loss_mask"] for i in idx], width - 1).to(device)
+        m = pad_rows([seqs[i]["loss_mask"] for i in idx], width - 1).to(device)
         # x world: FSDP averages gradients over processes; x real: a padding repeat adds nothing
         w = torch.tensor([weight[i] for i in idx], device=device)[:, None] * world * real
         with _autocast(tcfg.bf16):
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp_all = torch.log_softmax(logits.float(), -1)
         logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        sampled = _pad([seqs[i]["sampled"] for i in idx], width - 1).to(device)
+        sampled = pad_rows([seqs[i]["sampled"] for i in idx], width - 1).to(device)
         # Retrieved tokens were never sampled, so there is no pi_old for them; in the no-mask
         # ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
-        old_logp = torch.where(sampled > 0, _pad([old[i] for i in idx], width - 1).to(device), logp.detach())
-        ref_logp = _pad([ref[i] for i in idx], width - 1).to(device) if ref is not None else None
-        adv = _pad([seqs[i]["adv"] for i in idx], width - 1).to(device)
+        old_logp = torch.where(sampled > 0, pad_rows([old[i] for i in idx], width - 1).to(device), logp.detach())
+        ref_logp = pad_rows([ref[i] for i in idx], width - 1).to(device) if ref is not None else None
+        adv = pad_rows([seqs[i]["adv"] for i in idx], width - 1).to(device)
         tok_loss, kl, clipped = grpo_token_loss(
             logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip, tcfg.kl_estimator
         )
-        tok_loss = tok_loss * _pad([is_weight[i] for i in idx], width - 1).to(device)
+        tok_loss = tok_loss * pad_rows([is_weight[i] for i in idx], width - 1).to(device)
         with torch.set_grad_enabled(tcfg.entropy_coef > 0):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         loss = ((tok_loss - tcfg.entropy_coef * entropy) * m * w).sum()
@@ -363,13 +353,18 @@ def lr_at(step: int, cfg: Config) -> float:
     return cfg.train.lr * min(1.0, (step + 1) / warm) if warm >= 1 else cfg.train.lr
 
 
-def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[float]:
-    """sum_t m_t KL_t(pi_old || ref) per rollout, with pi_old the engine's sampling logprobs: what
-    `kl_in_reward` subtracts from the reward (times kl_coef) before the advantages."""
+def kl_per_position(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[torch.Tensor]:
+    """KL_t(pi_old || ref) on every sampled token of each rollout (0 elsewhere), pi_old being the
+    engine's sampling logprobs: the KL that `kl_in_reward` puts into the reward."""
     seqs = sequence_tensors(records)
     ref = batch_logprobs(ref_model, seqs, cfg.train.micro_batch_tokens, pad_id, cfg.train.bf16)
-    return [float((kl_estimate(s["engine_logp"], r, cfg.train.kl_estimator) * s["sampled"]).sum())
-            for s, r in zip(seqs, ref)]  # fmt: skip
+    return [kl_estimate(s["engine_logp"], r, cfg.train.kl_estimator) * s["sampled"] for s, r in zip(seqs, ref)]
+
+
+def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[float]:
+    """sum_t KL_t per rollout (kl_per_position): what GRPO's `kl_in_reward` subtracts from the
+    reward (times kl_coef) before the advantages."""
+    return [float(k.sum()) for k in kl_per_position(ref_model, records, cfg, pad_id)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,7 +452,7 @@ def rft_step(model, records: list[dict], optimizer, cfg: Config, pad_id: int, st
 def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     """The loop. With several processes (`accelerate launch --multi_gpu` / torchrun, train.fsdp),
     rank 0 rolls out, scores and evaluates; every rank takes its share of the update (FSDP)."""
-    from distributed import barrier, broadcast, full_weights, init, shard, shard_reference
+    from distributed import barrier, broadcast, full_weights, init, needs_reference, shard, shard_reference
     from eval import evaluate
 
     rank, world, device = init()
@@ -493,7 +488,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
     model = memory_savers(load_policy(start_dir).eval(), cfg).to(device)
     ref = None
-    if cfg.train.kl_coef > 0 and cfg.train.algo != "rft":  # the frozen reference is the starting policy
+    if needs_reference(cfg):  # the frozen reference is the starting policy
         ref_dir = ensure_policy(cfg, run) if resume_from else start_dir  # frozen: model.dtype, no fp32 master
         ref = load_policy(ref_dir, cfg.model.dtype).eval().requires_grad_(False)
         ref = ref.to(device)
@@ -636,11 +631,7 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
 
     tcfg = cfg.train
     values = critic_values(critic, records, tcfg.micro_batch_tokens, pad_id)
-    kls = None
-    if tcfg.kl_in_reward and ref is not None:
-        seqs = sequence_tensors(records, tcfg.mask_retrieved)
-        ref_lp = batch_logprobs(ref, seqs, tcfg.micro_batch_tokens, pad_id, tcfg.bf16)
-        kls = [kl_estimate(s["engine_logp"], r, tcfg.kl_estimator) * s["sampled"] for s, r in zip(seqs, ref_lp)]
+    kls = kl_per_position(ref, records, cfg, pad_id) if tcfg.kl_in_reward and ref is not None else None
     advantages, returns = ppo_advantages(
         records, values, [r["reward"] for r in records], kls, tcfg.kl_coef, tcfg.gae_gamma, tcfg.gae_lambda,
         tcfg.whiten_advantages, tcfg.mask_retrieved,
@@ -649,7 +640,7 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
         r["advantages"] = adv.tolist()
     stats = grpo_step(model, ref, records, optimizer, cfg, pad_id, step)
     if kls is not None:  # the loss carries no KL term here, so report the reward's
-        stats["kl"] = float(sum(k.sum() for k in kls)) / max(1.0, float(sum(s["sampled"].sum() for s in seqs)))
+        stats["kl"] = float(sum(k.sum() for k in kls)) / max(1, sum(sum(r["loss_mask"]) for r in records))
     for r in records:
         del r["advantages"]  # per-token lists would bloat samples/*.jsonl
     critic_stats = critic_step(critic, critic_opt, records, values, returns, tcfg.value_clip,

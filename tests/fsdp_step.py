@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distributed  # noqa: E402
 from config import load_config  # noqa: E402
 from engine import load_policy  # noqa: E402
-from train import grpo_step, make_optimizer  # noqa: E402
+from train import grpo_step, make_optimizer, memory_savers  # noqa: E402
 
 
 def save_grads(model, path: Path, rank: int) -> None:
@@ -46,7 +46,7 @@ def save_grads(model, path: Path, rank: int) -> None:
 def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int, first: bool) -> dict:
     cfg = load_config(None, case["overrides"])
     sharded = cfg.train.fsdp and world > 1
-    model = load_policy(spec["model"])
+    model = memory_savers(load_policy(spec["model"]), cfg)  # as train.py: before sharding
     ref = load_policy(spec["model"]) if distributed.needs_reference(cfg) else None
     if sharded:
         model = distributed.shard(model, cfg)
