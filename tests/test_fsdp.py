@@ -246,3 +246,41 @@ def test_two_process_training_run_matches_one_process_and_resumes(micro, tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_two_process_run_with_vllm_matches_in_process_vllm(micro, tmp_path):
+    """rollout.engine: vllm under a 2-process launch: rank 0's engine runs in a process of its
+    own (in-process it would join the training group and hang) and takes the new weights
+    through a file in /dev/shm. Same rollouts as a 1-process run with vLLM in process, step 1
+    and step 2 (the second only if the synced weights equal the single-process ones), and the
+    same loss to 1e-5."""
+    from conftest import ROOT, free_port, write_micro_config
+
+    cfgs = {}
+    for name, fsdp in (("one", False), ("two", True)):
+        cfgs[name] = write_micro_config(
+            tmp_path / f"{name}.yaml", micro[1].world.cache_dir, rollout={"engine": "vllm"},
+            train={"steps": 2, "eval_every": 0, "save_every": 0, "threads": 1, "kl_coef": 0.01, "fsdp": fsdp,
+                   "run_dir": str(tmp_path / name), "name": name},
+        )  # fmt: skip
+    one = subprocess.Popen([sys.executable, "train.py", "--config", str(cfgs["one"])], cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                          "--main_process_port", str(free_port()), "train.py", "--config", str(cfgs["two"])],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert one.wait(timeout=900) == 0, one.stderr.read()[-3000:]
+    runs = {name: next((tmp_path / name).glob(f"{name}-*")) for name in cfgs}
+    rows = {n: [json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for n, r in runs.items()}
+    assert [r["step"] for r in rows["two"]] == [1, 2]
+    for step in (1, 2):
+        samples = {
+            n: [json.loads(line)["response_ids"] for line in (r / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+            for n, r in runs.items()
+        }  # fmt: skip
+        assert samples["one"] == samples["two"] and samples["one"], step
+    for a, b in zip(rows["one"], rows["two"]):
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert _rel(a[key], b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+    assert rows["two"][1]["kl"] > 0
