@@ -477,8 +477,9 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     timings: dict[str, float] = {}
     if main_proc:
         # several processes: vLLM in a process of its own, or it joins the training group (engine.py)
-        engine = make_engine(cfg.rollout.engine, start_dir, cfg.rollout, seed=cfg.train.seed,
-                             separate_process=world > 1)  # before bm25s; fmt: skip
+        engine = make_engine(
+            cfg.rollout.engine, start_dir, cfg.rollout, seed=cfg.train.seed, separate_process=world > 1
+        )  # before bm25s
         search_fn = make_search_fn(cfg, paths["corpus"], timings)
     torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
     model = memory_savers(load_policy(start_dir).eval(), cfg).to(device)

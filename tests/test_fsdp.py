@@ -275,10 +275,8 @@ def test_two_process_run_with_vllm_matches_in_process_vllm(micro, tmp_path):
     rows = {n: [json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for n, r in runs.items()}
     assert [r["step"] for r in rows["two"]] == [1, 2]
     for step in (1, 2):
-        samples = {
-            n: [json.loads(line)["response_ids"] for line in (r / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
-            for n, r in runs.items()
-        }  # fmt: skip
+        lines = {n: (r / "samples" / f"step_{step}.jsonl").read_text().splitlines() for n, r in runs.items()}
+        samples = {n: [json.loads(line)["response_ids"] for line in ls] for n, ls in lines.items()}
         assert samples["one"] == samples["two"] and samples["one"], step
     for a, b in zip(rows["one"], rows["two"]):
         for key in ("loss", "grad_norm", "kl", "entropy"):
