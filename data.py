@@ -57,10 +57,14 @@ def data_paths(cfg: Config) -> dict[str, Path]:
 
 
 def load_questions(path: Path) -> list[dict]:
-    """FlashRAG jsonl; an empty question is an error that names the line."""
+    """FlashRAG jsonl or Search-R1 parquet; an empty question or a question without
+    `golden_answers` is an error that names the line (the row for parquet)."""
     from world import read_jsonl
 
-    questions = read_jsonl(path)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"question file not found: {path}")
+    questions = read_parquet_questions(path) if path.suffix == ".parquet" else read_jsonl(path)
     for n, q in enumerate(questions, 1):
         if not str(q.get("question", "")).strip():
             raise DataError(f"{path}:{n}: empty question (id {q.get('id')!r})")
@@ -69,6 +73,28 @@ def load_questions(path: Path) -> list[dict]:
     if not questions:
         raise DataError(f"{path}: no questions")
     return questions
+
+
+def read_parquet_questions(path: Path) -> list[dict]:
+    """Search-R1's parquet (scripts/data_process/nq_search.py) as FlashRAG-style dicts.
+
+    Its rows keep the FlashRAG columns (id, question, golden_answers) beside verl's own
+    (data_source, prompt, reward_model.ground_truth.target, extra_info.index); the plain
+    question is preferred: `prompt` holds it wrapped in Search-R1's instruction.
+      {"id": "test_0", "question": "who wrote ...", "golden_answers": ["x"], "data_source": "nq"}
+    -> {"id": "test_0", "question": "who wrote ...", "golden_answers": ["x"], "metadata": {"dataset": "nq"}}
+    """
+    import pyarrow.parquet as pq
+
+    out = []
+    for n, row in enumerate(pq.read_table(path).to_pylist()):
+        truth = (row.get("reward_model") or {}).get("ground_truth") or {}
+        golden = row.get("golden_answers") or truth.get("target") or []
+        question = row.get("question") or ((row.get("prompt") or [{}])[-1].get("content", ""))
+        qid = row.get("id") or (row.get("extra_info") or {}).get("index", n)
+        meta = dict(row.get("metadata") or {}) | ({"dataset": row["data_source"]} if row.get("data_source") else {})
+        out.append({"id": str(qid), "question": question, "golden_answers": list(golden), "metadata": meta})
+    return out
 
 
 def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):

@@ -1,29 +1,50 @@
-"""Evaluate a policy: greedy rollouts on a question split, EM and F1 per question type.
+"""Evaluate policies: every paper's metrics, baselines as modes, per-dataset tables, viewer.
 
-    python eval.py --config configs/tiny.yaml                       # the cached SFT policy, val
-    python eval.py --config configs/tiny.yaml --model runs/tiny-X/checkpoints/step_30 --split test
-    python eval.py curves runs/tiny-X                               # PNG curves of a run (plots.py)
+    python eval.py --config configs/tiny.yaml                         # the SFT policy, agentic, val
+    python eval.py --config configs/tiny.yaml --split test --modes direct rag agentic \
+        --model sft=cache/tiny-X/policy --model grpo=runs/tiny-X/checkpoints/step_30
+    python eval.py --config C --datasets data/nq.jsonl data/hotpotqa_test.parquet --out runs/eval-nq
+    python eval.py curves runs/tiny-X        # PNG training curves of a run (plots.py)
+    python eval.py reproduce --world tiny    # train + evaluate the tiny world -> results/tiny.md
 
-Metrics (each computed from rollout records, DESIGN.md §2):
-  em            exact match after SQuAD normalisation (rewards.exact_match)
-  f1            word-level F1, best over the golden answers (rewards.f1_score)
-  format_ok     share of rollouts that ended with an <answer> block
-  searches      mean number of executed searches per question
-reported overall and per `metadata.type` (the tiny world: 1hop, 2hop), e.g.
+Modes (the baselines of Search-R1 Table 2 / BAPO Table 1, on the same questions):
+  direct    answer at once, no retrieval: the response is forced to start with "<answer>"
+  cot       reason first ("<think>" forced), no retrieval: a search gets "search is off" back
+  rag       naive RAG: the top-k hits for the question itself are put in front of the answer
+            (as a forced first search), later searches get "search is off"
+  agentic   the policy's own protocol with its tools (what training rolls out)
+  reliable  agentic, with the reliable prompt: "I don't know" allowed, a confidence asked for
+All modes roll out greedily, one per question. Each (model, mode) is a row of the table, each
+dataset x metric a column (metrics.py defines every metric: EM, F1, accuracy, reliability, FC%,
+IDK rate, ECE, faithfulness, searches, ...). The output directory gets results.md / .csv /
+.json, rollouts/<row>__<dataset>.jsonl and viewer.html (viewer.py).
+
+`evaluate` (used by train.py for its periodic validation) returns the same metrics overall and
+per `metadata.type` (the tiny world: 1hop, 2hop), e.g.
   {"n": 400, "em": 0.61, "em_1hop": 0.93, "em_2hop": 0.29, "searches_2hop": 1.4, ...}
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
 from config import Config, ConfigError, DataError, load_config
 from rewards import score
 from rollout import rollout_batch
+
+MODES = ("direct", "cot", "rag", "agentic", "reliable")
+SEARCH_OFF = "Search is not available in this mode. Answer from what you know."
+RELIABLE_SUFFIX = (
+    " If you cannot find the answer, answer I don't know. After the answer, rate your "
+    "confidence from 1 to 10 inside <confidence> and </confidence>.\n"
+)
+DEFAULT_COLUMNS = ("em", "f1", "searches")
 
 
 def summarize(records: list[dict]) -> dict:
@@ -47,11 +68,135 @@ def summarize(records: list[dict]) -> dict:
 
 def evaluate(engine, tokenizer, questions: list[dict], search_fn, cfg: Config, records_out: list | None = None) -> dict:
     """Greedy (temperature 0) rollouts, one per question, scored with the EM reward."""
-    records = rollout_batch(engine, tokenizer, questions, 1, search_fn, cfg.rollout, greedy=True)
-    score(records, "em")
+    records = rollout_mode("agentic", engine, tokenizer, questions, search_fn, cfg)
     if records_out is not None:
         records_out.extend(records)
     return summarize(records)
+
+
+def rollout_mode(mode: str, engine, tokenizer, questions: list[dict], search_fn, cfg: Config) -> list[dict]:
+    """Greedy rollouts of one baseline mode, scored with every EM-family component.
+
+    Worked example, rag on "Where was Tavi Morek born?" with topk 1: the response starts with
+    the forced (untrained, loss_mask 0) "<think> </think><search> Where was Tavi Morek born?
+    </search>" and "<information>Doc 1(Title: Tavi Morek) ...</information>", then the model
+    writes "<think> ...</think><answer> Velor</answer>".
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown eval mode {mode!r}: choose from {', '.join(MODES)}")
+    rcfg = cfg.rollout
+    prefixes = None
+    tools = search_fn
+    if mode in ("direct", "cot", "rag"):
+        tools = lambda queries: [SEARCH_OFF] * len(queries)  # noqa: E731
+    if mode == "direct":
+        prefixes = [[("<answer>", "prefix")] for _ in questions]
+    elif mode == "cot":
+        prefixes = [[("<think>", "prefix")] for _ in questions]
+    elif mode == "rag":
+        hits = search_fn([q["question"] for q in questions])
+        prefixes = [[(f"<think> </think><search> {q['question']}</search>", "prefix"), (h, "obs")]
+                    for q, h in zip(questions, hits)]  # fmt: skip
+    elif mode == "reliable":
+        from dataclasses import replace
+
+        from rollout import render_prompt
+
+        rcfg = replace(
+            rcfg, prompt_template=render_prompt("{question}", rcfg.prompt_template).rstrip("\n") + RELIABLE_SUFFIX
+        )
+    records = rollout_batch(engine, tokenizer, questions, 1, tools, rcfg, greedy=True, prefixes=prefixes)
+    score(records, "em")
+    for r in records:
+        r["mode"] = mode
+    return records
+
+
+def table(rows: dict[str, dict[str, dict]], columns: list[str]) -> tuple[list[str], list[list]]:
+    """rows[row][dataset] = metrics -> (header, body): one line per row, dataset x metric columns."""
+    datasets = sorted({d for per in rows.values() for d in per})
+    header = ["method"] + [f"{d} {c}" for d in datasets for c in columns]
+    body = [[name] + [per.get(d, {}).get(c, float("nan")) for d in datasets for c in columns]
+            for name, per in rows.items()]  # fmt: skip
+    return header, body
+
+
+def markdown(header: list[str], body: list[list]) -> str:
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, rows: dict, columns: list[str], records: dict, tokenizer=None) -> None:
+    """results.md / .csv / .json, rollouts/<row>__<dataset>.jsonl and viewer.html under `out`."""
+    from viewer import write_viewer
+
+    out.mkdir(parents=True, exist_ok=True)
+    header, body = table(rows, columns)
+    (out / "results.md").write_text(markdown(header, body))
+    with open(out / "results.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *body])
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / "rollouts").mkdir(exist_ok=True)
+    for (name, dataset), recs in records.items():
+        with open(out / "rollouts" / f"{name}__{dataset}.jsonl", "w") as f:
+            for r in recs:
+                f.write(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n")
+    everything = [r | {"group_id": f"{n}/{d}/{r['group_id']}"} for (n, d), rs in records.items() for r in rs]
+    write_viewer(everything, out / "viewer.html", tokenizer=tokenizer, title=str(out))
+
+
+def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets: list[Path], columns: list[str],
+             out: Path, zeta: float = 5) -> dict:  # fmt: skip
+    """Each (label, model dir, modes) row spec on every dataset: one engine, weights swapped
+    between models; writes the tables under `out` and returns rows[row name][dataset]."""
+    from data import load_questions, make_search_fn
+    from engine import load_policy, load_tokenizer, make_engine
+    from metrics import compute_metrics
+
+    questions = {}
+    for path in datasets:
+        qs = load_questions(path)
+        questions[path.stem] = qs[: cfg.eval.max_questions] if cfg.eval.max_questions else qs
+    rows: dict[str, dict] = {}
+    records: dict[tuple[str, str], list] = {}
+    engine = search_fn = tokenizer = None
+    for _, model_dir, _ in rows_spec:
+        if _shapes(model_dir) != _shapes(rows_spec[0][1]):  # one engine serves every row
+            raise ValueError(f"{model_dir} is not the architecture of {rows_spec[0][1]}: evaluate it separately")
+    for label, model_dir, modes in rows_spec:
+        if engine is None:
+            engine = make_engine(cfg.rollout.engine, model_dir, cfg.rollout)  # before the retriever (bm25s)
+            search_fn = make_search_fn(cfg, _corpus(cfg), {})
+        else:
+            engine.load_weights(load_policy(model_dir).state_dict().items())
+        tokenizer = load_tokenizer(model_dir)
+        for mode in modes:
+            name = label if len(modes) == 1 and label else f"{label} {mode}".strip()
+            for dataset, qs in questions.items():
+                t0 = time.time()
+                recs = rollout_mode(mode, engine, tokenizer, qs, search_fn, cfg)
+                m = compute_metrics(recs, zeta=zeta) | summarize(recs) | {"seconds": time.time() - t0}
+                rows.setdefault(name, {})[dataset] = m
+                records[(name.replace(" ", "_"), dataset)] = recs
+                shown = " ".join(f"{c} {m.get(c, float('nan')):.3f}" for c in columns)
+                print(f"{name:>24} {dataset:>12}: {shown}", flush=True)
+    write_outputs(out, rows, columns, records, tokenizer)
+    return rows
+
+
+def _shapes(model_dir: Path) -> dict:
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size")  # fmt: skip
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return {k: config.get(k) for k in keys}
+
+
+def _corpus(cfg: Config) -> Path:
+    from data import data_paths
+
+    return data_paths(cfg)["corpus"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,44 +205,74 @@ def main(argv: list[str] | None = None) -> None:
         from plots import main as curves_main
 
         return curves_main(argv[1:])
+    if argv[:1] == ["reproduce"]:  # python eval.py reproduce --world tiny (reproduce.py)
+        from reproduce import main as reproduce_main
+
+        return reproduce_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config (the data and retriever to use)")
+    parser.add_argument("--config", help="YAML config: the retriever, rollout engine and default data")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    parser.add_argument("--model", help="model directory or checkpoint (default: the config's starting policy)")
-    parser.add_argument("--split", default="val", choices=["train", "val", "test"], help="question split")
-    parser.add_argument("--out", help="write the scored rollouts to this jsonl file")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[LABEL=]DIR",
+        help="model directory or checkpoint, repeatable (default: the config's starting policy)",
+    )
+    parser.add_argument("--datasets", nargs="+", default=[], metavar="FILE",
+                        help="FlashRAG jsonl or Search-R1 parquet files, each its own column group "
+                             "(default: the config's --split file)")  # fmt: skip
+    parser.add_argument(
+        "--split",
+        default="",
+        choices=["", "train", "val", "test"],
+        help="split of the config's data (default eval.split)",
+    )
+    parser.add_argument("--modes", nargs="+", default=["agentic"], choices=MODES, help="baselines to run (docstring)")
+    parser.add_argument(
+        "--columns",
+        nargs="+",
+        default=list(DEFAULT_COLUMNS),
+        help="metrics shown in results.md/.csv (all metrics go to results.json)",
+    )
+    parser.add_argument("--zeta", type=float, default=5, help="confidence threshold of reliability / FC%% (1-10)")
+    parser.add_argument("--out", help="output directory (default runs/eval-<time>)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
     except (ConfigError, FileNotFoundError) as e:
         parser.error(str(e))
-    from data import data_paths, load_questions, make_search_fn
-    from engine import load_tokenizer, make_engine
-
-    if args.model:
-        model_dir = Path(args.model)
-        if not model_dir.exists():
-            parser.error(f"model directory not found: {model_dir}")
-    else:
+    models = []
+    for spec in args.model:
+        label, _, path = spec.rpartition("=")
+        if not (Path(path) / "config.json").is_file():
+            parser.error(f"model directory not found (no config.json): {path}")
+        models.append((label or Path(path).name, Path(path)))
+    if not models:
         from world import world_dir
 
-        model_dir = Path(cfg.model.path) if cfg.model.path else world_dir(cfg) / "policy"
+        models = [("", Path(cfg.model.path) if cfg.model.path else world_dir(cfg) / "policy")]
+        if not (models[0][1] / "config.json").is_file():
+            parser.error(f"no model at {models[0][1]}: pass --model, set model.path, or build the tiny world "
+                         "(python world.py --config ...)")  # fmt: skip
     try:
-        paths = data_paths(cfg)
-        questions = load_questions(paths[args.split])
-    except (DataError, FileNotFoundError) as e:
+        if args.datasets:
+            datasets = [Path(d) for d in args.datasets]
+        else:
+            from data import data_paths
+
+            datasets = [data_paths(cfg)[args.split or cfg.eval.split]]
+        for d in datasets:
+            from data import load_questions
+
+            load_questions(d)  # a bad dataset fails before any engine starts
+    except (DataError, FileNotFoundError, KeyError) as e:
         parser.error(str(e))
-    if cfg.eval.max_questions:
-        questions = questions[: cfg.eval.max_questions]
-    engine = make_engine(cfg.rollout.engine, model_dir, cfg.rollout)  # before the retriever (bm25s)
-    search_fn = make_search_fn(cfg, paths["corpus"], {})
-    records: list[dict] = []
-    metrics = evaluate(engine, load_tokenizer(model_dir), questions, search_fn, cfg, records)
-    if args.out:
-        with open(args.out, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-    print(json.dumps(metrics, indent=1))
+    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    rows = run_eval(cfg, [(label, path, args.modes) for label, path in models], datasets, args.columns, out, args.zeta)
+    print((out / "results.md").read_text())
+    print(f"wrote {out}/results.md, results.csv, results.json, rollouts/, viewer.html")
+    return rows
 
 
 if __name__ == "__main__":

@@ -104,18 +104,26 @@ def rollout_batch(
     greedy: bool = False,
     seed: int = 0,
     group_prefix: str = "",
+    prefixes: list[list[tuple[str, str]]] | None = None,
 ) -> list[dict]:
     """Roll out `group_size` trajectories per question; returns rollout records.
+
+    prefixes (eval baselines, eval.py): per question, (text, role) segments the response is
+    forced to start with, never trained (loss_mask 0), role "prefix" or "obs" (rendered hits,
+    wrapped like an observation), e.g. naive RAG's forced first search:
+        [("<think> </think><search> Tavi Morek born</search>", "prefix"), ("Doc 1(...)...", "obs")]
 
     search_fn(list[str]) -> list[str]: rendered hits for each query, one batched call per turn.
     Group ids are `group_prefix + question id`, so ids from several datasets cannot collide as
     long as question ids are unique within a dataset and the prefix names the dataset.
     """
     states = []
-    for q in questions:
+    for qi, q in enumerate(questions):
         prompt_ids = tokenizer.encode(render_prompt(q["question"], cfg.prompt_template), add_special_tokens=False)
         for k in range(group_size):
             states.append(_State(q, group_prefix + str(q["id"]), k, prompt_ids))
+            if prefixes is not None:
+                _force_prefix(states[-1], prefixes[qi], tokenizer, cfg)
     budget = cfg.max_model_len
     for turn in range(1, cfg.max_turns + 1):
         active = [s for s in states if not s.finish]
@@ -172,12 +180,25 @@ def rollout_batch(
     return [_record(s, tokenizer) for s in states]
 
 
+def _force_prefix(s: _State, segments: list[tuple[str, str]], tokenizer, cfg: RolloutConfig) -> None:
+    for text, role in segments:
+        ids, _ = tokenize_segments(tokenizer, [(text, role)], cfg.max_obs_tokens)
+        start = len(s.response_ids)
+        s.response_ids += ids
+        s.loss_mask += [0] * len(ids)
+        s.logprobs += [0.0] * len(ids)
+        s.chunks.append({"role": "tool" if role == "obs" else "prefix", "text": tokenizer.decode(ids), "start": start,
+                         "end": len(s.response_ids)})  # fmt: skip
+        if role == "obs":
+            s.tool_calls.append({"turn": 0, "query": last_block(s.chunks[-2]["text"], "search") or "", "result": text})
+
+
 def _record(s: _State, tokenizer) -> dict:
     response_text = "".join(c["text"] for c in s.chunks)
     segments = []
     for c in s.chunks:
         segments += split_segments(c["text"], c["role"] == "policy")
-    policy_text = "".join(c["text"] for c in s.chunks if c["role"] == "policy")
+    policy_text = "".join(c["text"] for c in s.chunks if c["role"] in ("policy", "prefix"))
     return {
         "question_id": s.question["id"],
         "group_id": s.group_id,
