@@ -4,7 +4,8 @@
         model.safetensors, config.json, tokenizer files   the policy (loadable by eval.py / vLLM)
         critic/                                           PPO's value model, when there is one
         optimizer.rank<r>.pt  each process's optimizer state (its FSDP shard; rank0 alone otherwise)
-        trainer_state.pt   step, the critic's optimizer state, the data order's RNG,
+        critic_optimizer.rank<r>.pt   the same for PPO's critic
+        trainer_state.pt   step, the data order's RNG,
                            torch / numpy / python RNG states, the Lagrange multipliers, the
                            BAPO stage
         metrics.jsonl      the run's metrics up to step k (restored on resume, so the log has
@@ -38,7 +39,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_state: dict, keep: int = 2,
-                    critic=None, rank: int = 0, world: int = 1) -> Path:  # fmt: skip
+                    critic=None, rank: int = 0, world: int = 1, critic_optimizer=None) -> Path:  # fmt: skip
     """Write step_<step> atomically (temp dir, then rename) and drop all but the newest `keep`.
     Every process calls it: under FSDP the full weights are gathered tensor by tensor and written
     by rank 0, and each process writes its own shard of the optimizer state."""
@@ -54,16 +55,21 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
         save_full_state(model, tmp / "model.safetensors", rank)
         if rank == 0:
             model.config.save_pretrained(tmp)
+    elif hasattr(model, "peft_config"):  # LoRA: the merged plain policy, and the adapters in lora/
+        from lora import merge_and_save
+
+        merge_and_save(model, tmp)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
     torch.save(optimizer.state_dict(), tmp / f"optimizer.rank{rank}.pt")
+    if critic is not None:
+        from ppo import save_critic
+
+        save_critic(critic, tmp, rank, world)  # gathered on every rank, written by rank 0
+        torch.save(critic_optimizer.state_dict(), tmp / f"critic_optimizer.rank{rank}.pt")
     barrier(world)
     if rank == 0:
         tokenizer.save_pretrained(tmp)
-        if critic is not None:
-            from ppo import save_critic
-
-            save_critic(critic, tmp)
         torch.save({"step": step, "rng": rng_state(), "world": world} | trainer_state, tmp / "trainer_state.pt")
         if (run / "metrics.jsonl").exists():
             shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")

@@ -119,6 +119,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.3  # vLLM CPU reserves host RAM from this (DESIGN §6)
+    sleep_mode: bool = False  # vLLM sleeps (weights offloaded, KV cache freed) while training; CUDA only
     max_model_len: int = 1024
     # Prompt with a {question} slot; empty = Search-R1's full instruction (rollout.py). The tiny
     # world uses a one-line version: its 100-token instruction would double every sequence.
@@ -133,6 +134,7 @@ class TrainConfig:
     group_size: int = 8  # rollouts per question (G)
     lr: float = 2e-4
     warmup_frac: float = 0.0  # linear lr warm-up over this share of the steps, then constant (Search-R1: 0.285)
+    lr_schedule: str = "constant"  # after the warm-up: constant | cosine (to 0 at the last step; BAPO's RFT)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     clip_eps: float = 0.2  # epsilon_low of PPO-clip (Search-R1 scripts: 0.2)
@@ -182,6 +184,11 @@ class TrainConfig:
     bf16: bool = False  # bf16 autocast for forward/backward (master weights stay fp32)
     grad_checkpointing: bool = False
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
+    # LoRA (lora.py): 0 = full fine-tuning; > 0 trains adapters only, vLLM gets the merged weights
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list = field(default_factory=list)  # empty: q/k/v/o/gate/up/down_proj
     cpu_offload: bool = False  # FSDP: parameters and optimizer state live in CPU memory
     keep_checkpoints: int = 2  # only the latest N checkpoints are kept
     threads: int = 2  # torch CPU threads for the trainer
@@ -267,6 +274,7 @@ CHOICES = {
     "retriever.bm25_backend": ("scipy", "numpy", "numba"),
     "rollout.engine": ("vllm", "hf"),
     "train.algo": ("grpo", "ppo", "rft"),
+    "train.lr_schedule": ("constant", "cosine"),
     "sft.confidence": ("", "random"),
     "train.optimizer": ("adamw", "adamw8bit"),
 }

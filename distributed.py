@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import Config, ConfigError
+from config import Config
 
 # Name parts that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
 # DDP). FSDP2 adds none, but vLLM's load_weights must never see them whatever wrapped the model.
@@ -89,7 +89,7 @@ def needs_reference(cfg: Config) -> bool:
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The repeated transformer blocks, each its own FSDP unit (only one layer is unsharded at
     a time). HF decoder-only models keep them at `model.model.layers` (Qwen2, Llama, Mistral)."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers"):
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "backbone.layers"):  # last: ppo.Critic
         module = model
         for name in path.split("."):
             module = getattr(module, name, None)
@@ -131,10 +131,30 @@ def shard(model, cfg: Config, reshard_after_forward: bool = True):
 
     reshard_after_forward=False keeps the gathered weights from forward to backward: one
     all-gather per layer less, at the cost of the full model in memory during the step."""
-    if cfg.train.optimizer == "adamw8bit":  # fails at the first step otherwise, after a rollout
-        raise ConfigError("train.optimizer=adamw8bit cannot step FSDP's sharded parameters (bitsandbytes 0.50: "
-                          "'got mixed torch.Tensor and DTensor'); use adamw with train.fsdp")  # fmt: skip
     return _shard_layers(model, _fsdp_kwargs(cfg, reshard_after_forward))
+
+
+def shard_critic(critic, cfg: Config):
+    """PPO's critic (ppo.Critic: backbone + value head), sharded like the policy: each backbone
+    layer its own unit, the head in the root. Build its optimizer afterwards."""
+    return _shard_layers(critic, _fsdp_kwargs(cfg, reshard_after_forward=True))
+
+
+def all_reduce(x: torch.Tensor, world: int, op: str = "sum") -> torch.Tensor:
+    """Sum or max of a small CPU tensor over the processes (a copy; x itself is unchanged)."""
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    y = x.clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return y.cpu()
+
+
+def clip_grad_norm(module, max_norm: float) -> float:
+    """Clip the global gradient norm; under FSDP2 the norm is a DTensor over all shards."""
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def shard_reference(ref_model, cfg: Config):

@@ -8,6 +8,7 @@ Two engines with the same three methods, so rollout.py does not care which one r
     outs[0].token_ids, outs[0].logprobs, outs[0].finish_reason    # as generated, per token
     engine.load_weights(model.state_dict().items())               # weight sync after a step
     engine.score(ids)                                             # log p of ids[1:] | prefix
+    engine.sleep()                 # rollout.sleep_mode: weights to host RAM, KV cache dropped
 
 * `vllm`: vLLM's offline LLM, run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a
   weight sync is an in-memory copy: `collective_rpc` runs a function on the worker that calls
@@ -19,6 +20,11 @@ Two engines with the same three methods, so rollout.py does not care which one r
   torch.distributed group and hangs waiting for ranks that never join its collectives. The
   weight channel is then a safetensors file in /dev/shm, written one tensor at a time, whose
   path goes through `collective_rpc`; the worker reloads from it and the file is deleted.
+  `rollout.sleep_mode` (colocated on GPUs): after the rollouts vLLM sleeps (level 1: its
+  weights go to host RAM, its KV cache is freed) and the trainer gets the memory that
+  `gpu_memory_utilization` reserved; the next `load_weights` wakes the weights first, loads,
+  then wakes the KV cache. vLLM supports it on CUDA/ROCm only: on CPU the engine refuses it
+  at start with a clear error instead of failing at the first step.
 * `hf`: plain transformers `generate`, slow but simple, for debugging and for exact tests.
 
 Logprobs are the raw model log-probabilities of the sampled tokens (before temperature),
@@ -37,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from config import RolloutConfig
+from config import ConfigError, RolloutConfig
 
 
 @dataclass
@@ -74,6 +80,16 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 class VLLMEngine:
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0,
                  separate_process: bool = False):  # fmt: skip
+        self.sleep_mode = cfg.sleep_mode
+        self.asleep = False
+        if cfg.sleep_mode:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_sleep_mode_available():
+                raise ConfigError(
+                    f"rollout.sleep_mode needs vLLM's sleep mode, which {type(current_platform).__name__} "
+                    "does not offer (CUDA/ROCm only); set rollout.sleep_mode: false"
+                )
         if "numba" in sys.modules:
             raise RuntimeError(
                 "vLLM must be started before bm25s/numba is imported in this process "
@@ -101,6 +117,7 @@ class VLLMEngine:
                 enable_chunked_prefill=False,
                 max_num_batched_tokens=max(8192, cfg.max_model_len),
                 **extension,
+                **({"enable_sleep_mode": True} if cfg.sleep_mode else {}),
             )
         finally:
             os.environ.update(saved)
@@ -129,7 +146,14 @@ class VLLMEngine:
             result.append(Completion(list(c.token_ids), lps, c.finish_reason or "stop"))
         return result
 
+    def sleep(self) -> None:
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
     def load_weights(self, named_tensors) -> None:
+        if self.asleep:  # the weights first: the KV cache is not needed to load them
+            self.llm.wake_up(tags=["weights"])
         if self.separate_process:
             self._load_weights_through_file(named_tensors)
         else:
@@ -139,6 +163,9 @@ class VLLMEngine:
                 worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
             self.llm.collective_rpc(reload)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
     def _load_weights_through_file(self, named_tensors) -> None:
@@ -237,6 +264,9 @@ class HFEngine:
                     break
             result.append(Completion(toks, lps, reason))
         return result
+
+    def sleep(self) -> None:  # nothing reserved ahead: nothing to free
+        pass
 
     def load_weights(self, named_tensors) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=False)

@@ -210,14 +210,28 @@ def load_critic(path: str | Path, dtype: str = "float32") -> Critic:
     return critic
 
 
-def save_critic(critic: Critic, directory: str | Path) -> Path:
+def save_critic(critic: Critic, directory: str | Path, rank: int = 0, world: int = 1) -> Path:
     """Write `directory/critic/`: the backbone (save_pretrained, safetensors) and the value
-    head as value_head.safetensors. load_critic(directory) restores it. Returns the dir."""
+    head as value_head.safetensors. load_critic(directory) restores it. Returns the dir.
+    A sharded critic (world > 1) is gathered tensor by tensor: every rank must call this."""
     from safetensors.torch import save_file
 
     out = Path(directory) / "critic"
-    critic.backbone.save_pretrained(out, safe_serialization=True)
-    save_file({k: v.detach().contiguous() for k, v in critic.head.state_dict().items()}, out / HEAD_FILE)
+    if world > 1:
+        from distributed import full_weights
+
+        state = dict(full_weights(critic, rank))  # collectives on every rank; rank 0 gets the tensors
+        if rank != 0:
+            return out
+        out.mkdir(parents=True, exist_ok=True)
+        critic.backbone.config.save_pretrained(out)
+        backbone = {k.removeprefix("backbone."): v.contiguous() for k, v in state.items() if k.startswith("backbone.")}
+        save_file(backbone, out / "model.safetensors", metadata={"format": "pt"})
+        head = {k.removeprefix("head."): v.contiguous() for k, v in state.items() if k.startswith("head.")}
+    else:
+        critic.backbone.save_pretrained(out, safe_serialization=True)
+        head = {k: v.detach().contiguous() for k, v in critic.head.state_dict().items()}
+    save_file(head, out / HEAD_FILE)
     return out
 
 
@@ -230,7 +244,8 @@ def critic_values(critic: Critic, records: list[dict], micro_batch_tokens: int, 
     """V for every position of every record (float32, length len(ids) - 1), no gradient."""
     critic.eval()
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
-    return per_position(critic, seqs, micro_batch_tokens, pad_id)
+    device = next(critic.parameters()).device
+    return per_position(lambda ids, attn: critic(ids.to(device), attn.to(device)), seqs, micro_batch_tokens, pad_id)
 
 
 def critic_step(
@@ -244,33 +259,46 @@ def critic_step(
     pad_id: int,
     grad_clip: float,
     mask_retrieved: bool = True,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict:
     """One optimizer step of the clipped value loss over the records' policy positions.
 
     Token-mean over the whole batch, as train.grpo_step: each micro-batch adds its masked sum
     divided by the batch's total policy-token count, so micro-batching does not change the
-    gradient. Returns value_loss, value_clip_frac, critic_grad_norm and value_mean (the
-    critic's V on policy tokens before the step)."""
+    gradient. With several processes (a sharded critic) each takes records[rank::world], its
+    loss x world (FSDP averages gradients), and runs as many micro-batches as the busiest one
+    (zero-weight repeats: the collectives must line up). Returns value_loss, value_clip_frac,
+    critic_grad_norm and value_mean (the critic's V on policy tokens before the step)."""
+    from distributed import all_reduce, clip_grad_norm
+
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
     masks = [policy_positions(r, mask_retrieved) for r in records]
     n_tokens = max(1, sum(sum(m) for m in masks))
+    share = list(range(len(records)))[rank::world]
+    micro = [[share[j] for j in b] for b in token_budget_batches([len(seqs[i]) for i in share], micro_batch_tokens,
+                                                                  random.Random(0))]  # fmt: skip
+    n_micro = int(all_reduce(torch.tensor(float(len(micro))), world, "max"))
+    runs = [(idx, 1.0) for idx in micro] + [(micro[0] if micro else [0], 0.0)] * (n_micro - len(micro))
+    device = next(critic.parameters()).device
     critic.train()
     optimizer.zero_grad(set_to_none=True)
-    totals = {"value_loss": 0.0, "value_clip_frac": 0.0, "value_mean": 0.0}
-    for idx in token_budget_batches([len(s) for s in seqs], micro_batch_tokens, random.Random(0)):
+    totals = torch.zeros(3)  # value_loss, value_clip_frac, value_mean
+    for idx, real in runs:
         ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
         width = ids.shape[1] - 1
-        m = pad_rows([masks[i] for i in idx], width)
-        old = pad_rows([old_values[i] for i in idx], width)
-        ret = pad_rows([returns[i] for i in idx], width)
-        values = critic(ids, attn)
+        m = pad_rows([masks[i] for i in idx], width).to(device)
+        old = pad_rows([old_values[i] for i in idx], width).to(device)
+        ret = pad_rows([returns[i] for i in idx], width).to(device)
+        values = critic(ids.to(device), attn.to(device))
         loss, clipped = _value_loss_terms(values, old, ret, cfg_clip)
-        ((loss * m).sum() / n_tokens).backward()
+        ((loss * m).sum() / n_tokens * world * real).backward()
         with torch.no_grad():
-            totals["value_loss"] += float((loss * m).sum() / n_tokens)
-            totals["value_clip_frac"] += float((clipped * m).sum() / n_tokens)
-            totals["value_mean"] += float((values * m).sum() / n_tokens)
-    grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip)
+            for j, x in enumerate((loss, clipped, values)):
+                totals[j] += float((x * m).sum() / n_tokens) * real
+    totals = all_reduce(totals, world, "sum")
+    grad_norm = clip_grad_norm(critic, grad_clip)
     optimizer.step()
     critic.eval()
-    return totals | {"critic_grad_norm": float(grad_norm)}
+    return {"value_loss": float(totals[0]), "value_clip_frac": float(totals[1]), "value_mean": float(totals[2]),
+            "critic_grad_norm": grad_norm}  # fmt: skip

@@ -67,6 +67,7 @@ from constraints import log_row as constraint_log
 from constraints import restore as restore_constraints
 from constraints import state as constraint_state
 from data import data_paths, ensure_policy, load_questions, make_search_fn
+from distributed import all_reduce, clip_grad_norm
 from engine import load_policy, load_tokenizer, make_engine
 from rewards import BapoState, bapo_resample_groups, score
 from rollout import rollout_batch
@@ -272,9 +273,9 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
     share = mini[rank::world]
     lengths = [len(seqs[i]["ids"]) for i in share]
     micro = [[share[j] for j in b] for b in token_budget_batches(lengths, tcfg.micro_batch_tokens, random.Random(0))]
-    n_micro = int(_all_reduce(torch.tensor(float(len(micro))), world, "max"))
+    n_micro = int(all_reduce(torch.tensor(float(len(micro))), world, "max"))
     runs = [(idx, 1.0) for idx in micro] + [(micro[0] if micro else mini[:1], 0.0)] * (n_micro - len(micro))
-    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)  # not optimizer's: see make_optimizer
     sums = torch.zeros(4)  # loss, kl, clipped, entropy: sums over policy tokens
     for idx, real in runs:
         width = max(len(seqs[i]["ids"]) for i in idx)
@@ -304,28 +305,12 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         with torch.no_grad():
             for j, value in enumerate((tok_loss, kl, clipped, entropy)):
                 sums[j] += float((value * m).sum()) * real
-    sums = _all_reduce(sums, world, "sum")
-    grad_norm = _clip_grad_norm(model, tcfg.grad_clip)
+    sums = all_reduce(sums, world, "sum")
+    grad_norm = clip_grad_norm(model, tcfg.grad_clip)
     optimizer.step()
     denom = max(n_tokens, 1.0)
     return {"loss": float(sums[0]) / denom, "kl": float(sums[1]) / denom, "clip_frac": float(sums[2]) / denom,
             "entropy": float(sums[3]) / denom, "grad_norm": grad_norm, "policy_tokens": n_tokens}  # fmt: skip
-
-
-def _all_reduce(x: torch.Tensor, world: int, op: str) -> torch.Tensor:
-    if world == 1:
-        return x
-    import torch.distributed as dist
-
-    y = x.clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return y.cpu()
-
-
-def _clip_grad_norm(model, max_norm: float) -> float:
-    """Clip the global gradient norm; under FSDP2 the norm is a DTensor over all shards."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def memory_savers(model, cfg: Config):
@@ -338,19 +323,50 @@ def memory_savers(model, cfg: Config):
 
 
 def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):
-    """AdamW, or bitsandbytes' 8-bit AdamW (1 byte per moment instead of 4; it steps on CPU too)."""
-    if kind == "adamw8bit":
-        import bitsandbytes as bnb
+    """AdamW, or bitsandbytes' 8-bit AdamW (1 byte per moment instead of 4; it steps on CPU too).
 
+    bitsandbytes cannot step FSDP2's DTensor parameters ("got mixed torch.Tensor and DTensor"),
+    so under FSDP it steps plain Parameters that share storage with each process's local shard:
+    a pre-step hook hands them the shards of the gradients and the update lands in the shards in
+    place (so the loop clears gradients with model.zero_grad(), which reaches the DTensors).
+    Each process keeps the 8-bit state of its shard."""
+    params = list(params)
+    if kind != "adamw8bit":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    import bitsandbytes as bnb
+
+    if not any(hasattr(p, "to_local") for p in params):
         return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    shards = [torch.nn.Parameter(p.to_local().detach(), requires_grad=True) for p in params]  # same storage
+    optimizer = bnb.optim.AdamW8bit(shards, lr=lr, weight_decay=weight_decay)
+
+    def take_gradients(*_):
+        for p, s in zip(params, shards):
+            s.grad = None if p.grad is None else p.grad.to_local()
+
+    def drop_gradients(*_):  # the parameters' own gradients: model.zero_grad() before the next step
+        for s in shards:
+            s.grad = None
+
+    optimizer.register_step_pre_hook(take_gradients)
+    optimizer.register_step_post_hook(drop_gradients)
+    return optimizer
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up over `warmup_frac` of the steps, then constant (Search-R1's schedule). A
-    function of the step, so a resumed run needs no scheduler state."""
+    """Linear warm-up over `warmup_frac` of the steps, then constant (Search-R1's schedule) or,
+    with `lr_schedule: cosine`, a half cosine from lr towards 0 (BAPO's RFT, Table 5). A function
+    of the step, so a resumed run needs no scheduler state.
+
+    steps 10, warmup_frac 0.2, lr 1: constant 0.5 1 1 1 ...; cosine 0.5 1 0.97 0.88 ... 0.03"""
     warm = cfg.train.warmup_frac * cfg.train.steps
-    return cfg.train.lr * min(1.0, (step + 1) / warm) if warm >= 1 else cfg.train.lr
+    if warm >= 1 and step + 1 < warm:
+        return cfg.train.lr * (step + 1) / warm
+    if cfg.train.lr_schedule == "cosine":
+        start = math.ceil(warm) - 1 if warm >= 1 else 0  # the first step at full lr
+        progress = (step - start) / max(1, cfg.train.steps - start)
+        return cfg.train.lr * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.train.lr
 
 
 def kl_per_position(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[torch.Tensor]:
@@ -452,15 +468,22 @@ def rft_step(model, records: list[dict], optimizer, cfg: Config, pad_id: int, st
 def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     """The loop. With several processes (`accelerate launch --multi_gpu` / torchrun, train.fsdp),
     rank 0 rolls out, scores and evaluates; every rank takes its share of the update (FSDP)."""
-    from distributed import barrier, broadcast, full_weights, init, needs_reference, shard, shard_reference
+    from distributed import (
+        barrier,
+        broadcast,
+        full_weights,
+        init,
+        needs_reference,
+        shard,
+        shard_critic,
+        shard_reference,
+    )
     from eval import evaluate
 
     rank, world, device = init()
     main_proc = rank == 0
     if world > 1 and not cfg.train.fsdp:
         raise ConfigError(f"{world} processes need train.fsdp: true (there is no replicated data-parallel mode)")
-    if world > 1 and cfg.train.algo == "ppo":
-        raise ConfigError("algo ppo runs in one process for now: the critic is not sharded")
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(cfg.train.threads)
     constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
@@ -482,7 +505,18 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         )  # before bm25s
         search_fn = make_search_fn(cfg, paths["corpus"], timings)
     torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
-    model = memory_savers(load_policy(start_dir).eval(), cfg).to(device)
+    lora_on = cfg.train.lora_rank > 0
+    if lora_on and world > 1:
+        raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
+    # LoRA resume: the adapters sit on the ORIGINAL base; the checkpoint's model.safetensors is merged
+    model = memory_savers(load_policy(ensure_policy(cfg, run) if lora_on and resume_from else start_dir).eval(), cfg)
+    model = model.to(device)
+    if lora_on:
+        from lora import add_lora, load_lora
+
+        model = load_lora(model, resume_from) if resume_from else add_lora(
+            model, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_dropout, cfg.train.lora_targets or None
+        )  # fmt: skip
     ref = None
     if needs_reference(cfg):  # the frozen reference is the starting policy
         ref_dir = ensure_policy(cfg, run) if resume_from else start_dir  # frozen: model.dtype, no fp32 master
@@ -490,12 +524,16 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         ref = ref.to(device)
     if world > 1:
         model, ref = shard(model, cfg), shard_reference(ref, cfg)
-    optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
+    optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     critic = critic_opt = None
     if cfg.train.algo == "ppo":
         from ppo import critic_optimizer, load_critic
 
-        critic = load_critic(resume_from if resume_from else start_dir)
+        critic = load_critic(resume_from if resume_from else start_dir).to(device)
+        memory_savers(critic.backbone, cfg)
+        if world > 1:
+            critic = shard_critic(critic, cfg)
         critic_opt = critic_optimizer(critic, cfg.train.critic_lr)
     bapo = BapoState(patience=cfg.train.bapo_patience) if "bapo" in cfg.train.reward else None
     rng = random.Random(cfg.train.seed)  # the question order
@@ -504,7 +542,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     if resume_from is not None:
         state = load_trainer_state(resume_from, run, optimizer, rank, world)
         if critic_opt is not None:
-            critic_opt.load_state_dict(state["critic_optimizer"])
+            critic_opt.load_state_dict(torch.load(resume_from / f"critic_optimizer.rank{rank}.pt", weights_only=False))
         step0, order = state["step"], state["order"]
         rng.setstate(state["data_rng"])
         restore_constraints(constraints, state["constraints"])
@@ -543,6 +581,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             )  # fmt: skip
             if cfg.train.resample_groups > 0:
                 records, resampled = resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg, step)
+            engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
             t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
             t0 = time.time()
             params = reward_params(constraints, cfg.train.reward_params)
@@ -568,7 +607,8 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             stats = rft_step(model, kept, optimizer, cfg, tokenizer.pad_token_id, step) if kept else {}
             stats["rft_kept"] = len(kept) / len(records)
         elif cfg.train.algo == "ppo":
-            stats = ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg, tokenizer.pad_token_id, step)
+            stats = ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg, tokenizer.pad_token_id, step,
+                               rank, world)  # fmt: skip
         else:
             advantages = group_advantages(
                 [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
@@ -578,7 +618,12 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             stats = grpo_step(model, ref, records, optimizer, cfg, tokenizer.pad_token_id, step, rank, world)
         t_train = time.time() - t0
         t0 = time.time()
-        weights = full_weights(model, rank) if world > 1 else model.state_dict().items()
+        if lora_on:  # base names, adapters merged into fresh tensors: the policy is never touched
+            from lora import merged_weights
+
+            weights = merged_weights(model)
+        else:
+            weights = full_weights(model, rank) if world > 1 else model.state_dict().items()
         if main_proc:
             engine.load_weights(weights)
         else:
@@ -611,14 +656,14 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             trainer_state = {
                 "order": order, "data_rng": rng.getstate(), "constraints": constraint_state(constraints),
                 "bapo": vars(bapo) if bapo else None,
-                "critic_optimizer": critic_opt.state_dict() if critic_opt else None,
             }  # fmt: skip
             save_checkpoint(run, step + 1, model, tokenizer, optimizer, trainer_state, cfg.train.keep_checkpoints,
-                            critic, rank, world)  # fmt: skip
+                            critic, rank, world, critic_opt)  # fmt: skip
     return ev
 
 
-def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, pad_id: int, step: int) -> dict:
+def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, pad_id: int, step: int,
+               rank: int = 0, world: int = 1) -> dict:  # fmt: skip
     """PPO (Search-R1's best runs, ppo.py): token rewards (the score on the last policy token,
     minus kl_coef x k1 KL to the reference on every policy token when kl_in_reward), GAE over
     policy tokens with the critic's values, whitened advantages; then the clipped policy step
@@ -634,13 +679,13 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
     )  # fmt: skip
     for r, adv in zip(records, advantages):
         r["advantages"] = adv.tolist()
-    stats = grpo_step(model, ref, records, optimizer, cfg, pad_id, step)
+    stats = grpo_step(model, ref, records, optimizer, cfg, pad_id, step, rank, world)
     if kls is not None:  # the loss carries no KL term here, so report the reward's
         stats["kl"] = float(sum(k.sum() for k in kls)) / max(1, sum(sum(r["loss_mask"]) for r in records))
     for r in records:
         del r["advantages"]  # per-token lists would bloat samples/*.jsonl
-    critic_stats = critic_step(critic, critic_opt, records, values, returns, tcfg.value_clip,
-                               tcfg.micro_batch_tokens, pad_id, tcfg.grad_clip, tcfg.mask_retrieved)  # fmt: skip
+    critic_stats = critic_step(critic, critic_opt, records, values, returns, tcfg.value_clip, tcfg.micro_batch_tokens,
+                               pad_id, tcfg.grad_clip, tcfg.mask_retrieved, rank, world)  # fmt: skip
     return stats | critic_stats
 
 

@@ -213,6 +213,20 @@ def test_lr_warmup_is_linear_then_constant():
     assert lr_at(0, cfg) == 1.0
 
 
+def test_lr_cosine_after_warmup():
+    import math
+
+    from config import load_config
+    from train import lr_at
+
+    cfg = load_config(None, ["train.steps=10", "train.warmup_frac=0.2", "train.lr=2.0", "train.lr_schedule=cosine"])
+    lrs = [lr_at(s, cfg) for s in range(10)]
+    assert lrs[:2] == [1.0, 2.0]  # warm-up, then the peak at step 1
+    # from step 1 (the first at full lr): 2 * 0.5 * (1 + cos(pi (s - 1) / 9))
+    assert all(abs(lrs[s] - (1 + math.cos(math.pi * (s - 1) / 9))) < 1e-12 for s in range(1, 10))
+    assert all(a > b for a, b in zip(lrs[1:], lrs[2:])) and 0 < lrs[-1] < 0.07
+
+
 def test_rft_keeps_accepted_rollouts_and_one_idk_when_none_is_correct():
     from train import rft_select
 

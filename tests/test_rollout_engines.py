@@ -114,3 +114,15 @@ def test_engine_refuses_to_start_after_numba(micro):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode != 0
     assert "vLLM must be started before bm25s/numba" in out.stderr
+
+
+def test_sleep_mode_is_refused_on_cpu_with_a_clear_error(micro):
+    """vLLM's sleep mode exists on CUDA/ROCm only; on this CPU build the engine refuses the
+    setting before starting (the GPU configs turn it on: a GPU path, not run here)."""
+    from dataclasses import replace
+
+    from config import ConfigError
+
+    _, cfg, policy, _ = micro
+    with pytest.raises(ConfigError, match="rollout.sleep_mode"):
+        make_engine("vllm", policy, replace(cfg.rollout, sleep_mode=True))

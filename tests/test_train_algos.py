@@ -1,5 +1,6 @@
 """train.py's other algorithms end to end on the micro world (transformers engine, 2 steps
-each, run side by side): PPO with its critic, Reliable RFT, and the BAPO loop."""
+each, run side by side): PPO with its critic, Reliable RFT, the BAPO loop, and a LoRA policy
+(adapters trained, merged weights pushed to the engine, checkpoint and resume)."""
 
 import json
 import subprocess
@@ -11,6 +12,7 @@ RUNS = {
     "ppo": {"algo": "ppo", "kl_in_reward": True, "kl_estimator": "k1", "critic_lr": 1e-3},
     "rft": {"algo": "rft", "rft_accept": 1.0},
     "bapo": {"reward": "bapo", "resample_groups": 2, "epochs": 2, "mini_batches": 2, "bapo_patience": 1},
+    "lora": {"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2, "kl_coef": 0.01},
 }
 
 
@@ -44,3 +46,13 @@ def test_ppo_rft_and_bapo_loops_train_and_checkpoint(micro, tmp_path):
         assert f"idk_rate/{r['bapo_stage']}" in r
         assert {"reward/correct", "reward/idk_bonus", "reward/gate"} <= set(r)
     assert rows["bapo"][0]["bapo_stage"] == "exploration"  # the stage logic itself: test_rewards.py
+
+    lora_run = next((tmp_path / "lora").glob("lora-*"))
+    ckpt = lora_run / "checkpoints" / "step_2"
+    assert (ckpt / "config.json").is_file() and (ckpt / "lora").is_dir()  # a plain merged policy + adapters
+    assert rows["lora"][1]["kl"] > 0  # the adapters moved the policy off the reference
+    resumed = subprocess.run([sys.executable, "train.py", "--resume", str(lora_run), "--set", "train.steps=3"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (lora_run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-3:] == [1, 2, 3]
