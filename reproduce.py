@@ -124,7 +124,7 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
             for key, style in (("eval.em_2hop", "-"), ("eval.em_1hop", ":")):
                 if key in series:
                     xs, ys = zip(*series[key])
-                    ax.plot(xs, ys, style, label=f"{key[5:]} seed {seed}")
+                    ax.plot(xs, ys, style, color=f"C{seed}", label=f"{key[5:]} seed {seed}")
         ax.set_title(variant)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -202,11 +202,20 @@ def test_sharded_step_runs(runs, case):
     assert stats["sharded"] and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
 
 
+def launch_two() -> list[str]:
+    """train.py under a 2-process `accelerate launch` (CPU processes, gloo) on a free port."""
+    from conftest import free_port
+
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "train.py"]  # fmt: skip
+
+
 def test_two_process_training_run_matches_one_process_and_resumes(micro, tmp_path):
     """train.py itself under a 2-process launch (rank 0 rolls out, both ranks update, full
     weights gathered layer by layer into the engine): steps 1-2 match a 1-process run to 1e-5,
     and the sharded checkpoint resumes under 2 processes (not under 1: a clear error)."""
-    from conftest import ROOT, free_port, write_micro_config
+    from conftest import ROOT, write_micro_config
 
     cfgs = {}
     for name, fsdp in (("one", False), ("two", True)):
@@ -215,11 +224,6 @@ def test_two_process_training_run_matches_one_process_and_resumes(micro, tmp_pat
             train={"steps": 2, "eval_every": 0, "save_every": 1, "threads": 1, "kl_coef": 0.01, "fsdp": fsdp,
                    "run_dir": str(tmp_path / name), "name": name},
         )  # fmt: skip
-
-    def launch_two() -> list[str]:
-        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port()), "train.py"]  # fmt: skip
 
     one = subprocess.Popen([sys.executable, "train.py", "--config", str(cfgs["one"])], cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -258,7 +262,7 @@ def test_two_process_ppo_with_vllm_matches_one_process_and_resumes(micro, tmp_pa
     single-process ones), the same policy and value losses to 1e-5; then the 2-process run,
     resumed from its step-2 checkpoint (sharded critic gathered, a critic optimizer per rank),
     gives the 1-process run's step 3."""
-    from conftest import ROOT, free_port, write_micro_config
+    from conftest import ROOT, write_micro_config
 
     cfgs = {}
     for name, fsdp, steps in (("one", False, 3), ("two", True, 2)):
@@ -267,11 +271,6 @@ def test_two_process_ppo_with_vllm_matches_one_process_and_resumes(micro, tmp_pa
             train={"algo": "ppo", "steps": steps, "eval_every": 0, "save_every": 2, "threads": 1, "kl_coef": 0.01,
                    "critic_lr": 1e-3, "fsdp": fsdp, "run_dir": str(tmp_path / name), "name": name},
         )  # fmt: skip
-
-    def launch_two() -> list[str]:
-        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port()), "train.py"]  # fmt: skip
 
     one = subprocess.Popen([sys.executable, "train.py", "--config", str(cfgs["one"])], cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
