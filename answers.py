@@ -98,14 +98,50 @@ def unbox(text: str) -> str:
     return text[start + 7 : i - 1].strip() if depth == 0 else text.strip()
 
 
-def tool_call_queries(body: str) -> list[str] | None:
-    """Queries of one JSON tool call; `arguments.query` may be a string or a list of strings.
-    None when the block is not a well-formed call (not JSON, not an object, no arguments)."""
+def boxed(text: str) -> str | None:
+    r"""Strict reading of a \boxed{} answer (BAPO's format; rollout.py checks answers with it):
+    the inside of the last \boxed{...}, or None when there is none, a brace is left open, or a
+    \boxed{} sits inside another. (`unbox` is the lenient reading the rewards use.)
+
+    >>> boxed(r"The answer is \boxed{Paris}"), boxed("Paris"), boxed(r"\boxed{a \boxed{b}}")
+    ('Paris', None, None)
+    """
+    found, pos = None, 0
+    while (start := text.find("\\boxed{", pos)) >= 0:
+        depth, i = 1, start + 7
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        inside = text[start + 7 : i - 1]
+        if depth or "\\boxed{" in inside:
+            return None
+        found, pos = inside.strip(), i
+    return found
+
+
+def confidence_value(text: str | None) -> int | None:
+    """A <confidence> block's content as an integer 1..10, else None ("11", "high", "7.5")."""
+    text = (text or "").strip()
+    return int(text) if re.fullmatch(r"\d{1,2}", text) and 1 <= int(text) <= 10 else None
+
+
+def load_tool_call(body: str) -> dict | None:
+    """One <tool_call> block as {"name", "arguments": {...}}; None when it is not JSON, not an
+    object or has no arguments object. The name is not checked (the caller knows its tools)."""
     try:
         call = json.loads(body)
     except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
+        return None
+    return call
+
+
+def tool_call_queries(body: str) -> list[str] | None:
+    """Queries of one JSON tool call; `arguments.query` may be a string or a list of strings.
+    None when the block is not a well-formed call (not JSON, not an object, no arguments)."""
+    call = load_tool_call(body)
+    if call is None:
         return None
     q = call["arguments"].get("query", call["arguments"].get("queries"))
     if isinstance(q, str):
@@ -157,9 +193,9 @@ def parse_response(text: str) -> Parsed:
     answers = [b for k, b in blocks if k == "answer"]
     if answers:
         p.answer = unbox(answers[-1])
-    confidences = [b.strip() for k, b in blocks if k == "confidence"]
-    if confidences and re.fullmatch(r"\d{1,2}", confidences[-1]) and 1 <= int(confidences[-1]) <= 10:
-        p.confidence = int(confidences[-1])
+    confidences = [b for k, b in blocks if k == "confidence"]
+    if confidences:
+        p.confidence = confidence_value(confidences[-1])
     for k, b in blocks:
         if k == "search" and b.strip():
             p.queries.append(b.strip())

@@ -124,6 +124,12 @@ class RolloutConfig:
     # Prompt with a {question} slot; empty = Search-R1's full instruction (rollout.py). The tiny
     # world uses a one-line version: its 100-token instruction would double every sequence.
     prompt_template: str = ""
+    # Agent protocol (protocols.py): search_r1 | bapo | deliberative | webfilter. Each has its own
+    # instructions, tags, stop strings and tools; prompt_template, when set, replaces the instructions.
+    protocol: str = "search_r1"
+    chat_template: bool = False  # instruct models: the prompt goes through tokenizer.apply_chat_template
+    max_queries_per_call: int = 3  # webfilter: queries run per tool call (our choice); the rest are dropped
+    allow_idk: bool = False  # reliable prompt (BAPO §3.2): the instructions allow "I don't know"
 
 
 @dataclass

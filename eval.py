@@ -148,12 +148,14 @@ def write_outputs(out: Path, rows: dict, columns: list[str], records: dict, toke
 
 
 def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets: list[Path], columns: list[str],
-             out: Path, zeta: float = 5) -> dict:  # fmt: skip
+             out: Path, zeta: float = 5, judge=None, reference_row: str = "") -> dict:  # fmt: skip
     """Each (label, model dir, modes) row spec on every dataset: one engine, weights swapped
-    between models; writes the tables under `out` and returns rows[row name][dataset]."""
+    between models; writes the tables under `out` and returns rows[row name][dataset].
+    judge: adds judge_acc (and judges correctness); reference_row: the row whose rollouts every
+    other row's "I don't know" answers are held against (BAPO's rejection success rate)."""
     from data import load_questions, make_search_fn
     from engine import load_policy, load_tokenizer, make_engine
-    from metrics import compute_metrics
+    from metrics import compute_metrics, rejection_success_rate
 
     questions = {}
     for path in datasets:
@@ -177,11 +179,20 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
             for dataset, qs in questions.items():
                 t0 = time.time()
                 recs = rollout_mode(mode, engine, tokenizer, qs, search_fn, cfg)
-                m = compute_metrics(recs, zeta=zeta) | summarize(recs) | {"seconds": time.time() - t0}
+                m = compute_metrics(recs, zeta=zeta, judge=judge) | summarize(recs) | {"seconds": time.time() - t0}
                 rows.setdefault(name, {})[dataset] = m
                 records[(name.replace(" ", "_"), dataset)] = recs
                 shown = " ".join(f"{c} {m.get(c, float('nan')):.3f}" for c in columns)
                 print(f"{name:>24} {dataset:>12}: {shown}", flush=True)
+    if reference_row:
+        if reference_row not in rows:
+            raise ValueError(f"--reference {reference_row!r} is not a row; rows: {', '.join(rows)}")
+        for name, per in rows.items():
+            for dataset, m in per.items():
+                ref = records[(reference_row.replace(" ", "_"), dataset)]
+                rate = rejection_success_rate(records[(name.replace(" ", "_"), dataset)], ref, judge)
+                if rate is not None and name != reference_row:
+                    m["bapo_rejection_success"] = rate
     write_outputs(out, rows, columns, records, tokenizer)
     return rows
 
@@ -237,6 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--zeta", type=float, default=5, help="confidence threshold of reliability / FC%% (1-10)")
     parser.add_argument("--out", help="output directory (default runs/eval-<time>)")
+    parser.add_argument("--judge-url", default="", help="OpenAI-compatible judge server: adds judge_acc (judge.py)")
+    parser.add_argument("--judge-model", default="", help="the judge server's model name")
+    parser.add_argument("--reference", default="",
+                        help="row name whose rollouts the other rows' IDK answers are held against "
+                             "(BAPO's rejection success rate, eq. 8)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
@@ -269,7 +285,13 @@ def main(argv: list[str] | None = None) -> None:
     except (DataError, FileNotFoundError, KeyError) as e:
         parser.error(str(e))
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    rows = run_eval(cfg, [(label, path, args.modes) for label, path in models], datasets, args.columns, out, args.zeta)
+    judge = None
+    if args.judge_url:
+        from judge import make_judge
+
+        judge = make_judge(args.judge_url, args.judge_model)
+    spec = [(label, path, args.modes) for label, path in models]
+    rows = run_eval(cfg, spec, datasets, args.columns, out, args.zeta, judge, args.reference)
     print((out / "results.md").read_text())
     print(f"wrote {out}/results.md, results.csv, results.json, rollouts/, viewer.html")
     return rows

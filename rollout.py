@@ -1,6 +1,9 @@
-"""Multi-turn search rollouts (Search-R1's think / search / information / answer loop).
+"""Multi-turn search rollouts: one tool loop for every paper's agent protocol.
 
-One call, `rollout_batch`, turns questions into rollout records (DESIGN.md §2):
+One call, `rollout_batch`, turns questions into rollout records (DESIGN.md §2). The protocol
+(`rollout.protocol`, protocols.py: search_r1, bapo, deliberative, webfilter) decides the prompt,
+the stop strings, how a turn's text becomes tool calls and how results are shown; the loop and
+the token bookkeeping below are the same for all. Search-R1, the default:
 
     turn 1:  [prompt] -> policy writes "<think>..</think><search>Tavi Morek born</search>"
              (generation stops on the stop string `</search>`; vLLM never writes past it)
@@ -8,6 +11,10 @@ One call, `rollout_batch`, turns questions into rollout records (DESIGN.md §2):
              "\\n<information>Doc 1(Title: Tavi Morek) ...</information>\\n" is appended
     turn 2:  policy writes "<think>..</think><answer>Velor</answer>" -> stop on `</answer>`
     the last turn (max_turns) may not search: a search there ends the rollout, unanswered.
+    a malformed action (other protocols) gets an "invalid action" observation and costs a turn.
+
+Prompts: a plain prompt for base models; with `rollout.chat_template` the tokenizer's own chat
+template (instruct models), whose tool message carries WebFilter's observations.
 
 Token bookkeeping, the part the reference implementations get wrong (DESIGN §7):
   * the policy's token ids are kept exactly as the engine generated them, never decoded and
@@ -17,10 +24,15 @@ Token bookkeeping, the part the reference implementations get wrong (DESIGN §7)
     (Search-R1 §3.1, "retrieved token masking");
   * `logprobs` are the engine's sampling log-probabilities (0.0 on tool tokens), used as
     log pi_old in the PPO ratio;
-  * an observation is cut to `max_obs_tokens` *inside* its tags, so `</information>`
-    always survives truncation.
+  * an observation is cut to `max_obs_tokens` *inside* its tags, so `</information>` (or the
+    protocol's closing tag, or the chat template's end of the tool message) always survives.
 
 Records are plain dicts that serialise to one JSON line; rewards.py and eval.py read only them.
+search_r1's records are exactly what they were before protocols existed; the other protocols'
+add "protocol", "num_reads", "confidence", "idk", "invalid_actions" ({"turn", "error"}), name
+their tool_calls ({"turn", "name", "query" | "id", ["confidence"], "result"}), and, when the
+observations are chat-template tool messages, "response": the transcript in the protocol's own
+tags, which the rewards read instead of the template's markup.
 """
 
 from __future__ import annotations
@@ -28,36 +40,67 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from answers import last_block, split_segments
+import protocols
+from answers import last_block, parse_response, split_segments
 from config import RolloutConfig
+from protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text
 
 TAGS = [
     "<think>", "</think>", "<search>", "</search>",
     "<information>", "</information>", "<answer>", "</answer>",
 ]  # fmt: skip
-STOP = ["</search>", "</answer>"]
-OBS_HEAD, OBS_TAIL = "\n<information>", "</information>\n"
-
-# Our own wording of Search-R1's instruction (DESIGN §3): think, search when knowledge is
-# missing, read the information, answer briefly.
-SEARCH_R1_TEMPLATE = (
-    "Answer the question. Reason inside <think> and </think> every time you get new "
-    "information. If some knowledge is missing, search for it with <search> query </search>; "
-    "the top results come back between <information> and </information>. You may search "
-    "as often as you like. When you know the answer, write it inside <answer> and </answer> "
-    "with no explanation, for example <answer> Paris </answer>. Question: {question}\n"
-)
+STOP = protocols.PROTOCOLS["search_r1"].stop  # ["</search>", "</answer>"]
+OBS_HEAD, OBS_TAIL = protocols.PROTOCOLS["search_r1"].obs  # "\n<information>", "</information>\n"
+SEARCH_R1_TEMPLATE = SEARCH_R1_SYSTEM + " Question: {question}\n"
 
 
-def render_prompt(question: str, template: str = "") -> str:
-    """The plain (base-model) prompt for one question; `template` has a {question} slot."""
-    return (template or SEARCH_R1_TEMPLATE).format(question=question.strip())
+def render_prompt(question: str, template: str = "", cfg: RolloutConfig | None = None) -> str:
+    """The plain (base-model) prompt for one question; `template` has a {question} slot; empty:
+    the protocol's instructions (cfg.protocol, Search-R1's without a cfg) and the question."""
+    if template:
+        return template.format(question=question.strip())
+    cfg = cfg or RolloutConfig()
+    return instructions(protocols.get(cfg.protocol), cfg) + f" Question: {question.strip()}\n"
 
 
-def observation_ids(tokenizer, body: str, max_tokens: int) -> list[int]:
-    """`\\n<information>body</information>\\n` as token ids, the body cut to max_tokens."""
+def prompt_ids(tokenizer, question: str, cfg: RolloutConfig, proto: Protocol) -> list[int]:
+    """Base models: the plain prompt. Instruct models (cfg.chat_template): their own chat
+    template, the instructions as system message (or prompt_template as the user message)."""
+    if not cfg.chat_template:
+        return tokenizer.encode(render_prompt(question, cfg.prompt_template, cfg), add_special_tokens=False)
+    if cfg.prompt_template:
+        messages = [{"role": "user", "content": render_prompt(question, cfg.prompt_template)}]
+    else:
+        messages = [
+            {"role": "system", "content": instructions(proto, cfg)},
+            {"role": "user", "content": question.strip()},
+        ]
+    text = tokenizer.apply_chat_template(
+        messages, tools=proto.tools or None, tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tool_message_wrap(tokenizer, proto: Protocol) -> tuple[str, str]:
+    """(head, tail) of a tool message in the tokenizer's chat template: what closes the policy's
+    turn and opens the tool's before the result, and what closes it and reopens the policy's."""
+    mark_a, mark_b = "@@policy-turn@@", "@@tool-result@@"
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark_a},
+                {"role": "tool", "content": mark_b}]  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        messages, tools=proto.tools or None, tokenize=False, add_generation_prompt=True
+    )
+    a, b = text.find(mark_a), text.find(mark_b)
+    if a < 0 or b < a:
+        raise ValueError("this chat template cannot render a tool message; set rollout.chat_template: false")
+    return text[a + len(mark_a) : b], text[b + len(mark_b) :]
+
+
+def observation_ids(tokenizer, body: str, max_tokens: int, wrap: tuple[str, str] = (OBS_HEAD, OBS_TAIL)) -> list[int]:
+    """`\\n<information>body</information>\\n` (or another (head, tail)) as token ids, the body cut
+    to max_tokens: the closing tag is never cut."""
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-    return enc(OBS_HEAD) + enc(body)[:max_tokens] + enc(OBS_TAIL)
+    return enc(wrap[0]) + enc(body)[:max_tokens] + enc(wrap[1])
 
 
 def tokenize_segments(tokenizer, segments: list[tuple[str, str]], max_obs_tokens: int = 10**9):
@@ -90,6 +133,7 @@ class _State:
     logprobs: list[float] = field(default_factory=list)
     chunks: list[dict] = field(default_factory=list)  # {"role", "text", "start", "end"}
     tool_calls: list[dict] = field(default_factory=list)
+    invalid: list[dict] = field(default_factory=list)  # {"turn", "error"}: malformed actions
     finish: str = ""
     turns: int = 0
 
@@ -113,15 +157,21 @@ def rollout_batch(
     wrapped like an observation), e.g. naive RAG's forced first search:
         [("<think> </think><search> Tavi Morek born</search>", "prefix"), ("Doc 1(...)...", "obs")]
 
-    search_fn(list[str]) -> list[str]: rendered hits for each query, one batched call per turn.
+    search_fn(list[str]) -> list[str]: rendered hits for each query, one batched call per turn;
+    or a dict of such batched tools, {"search": .., "read": ..} (protocols.web_tools), whose
+    results may be websearch.py dicts (the protocol renders them).
     Group ids are `group_prefix + question id`, so ids from several datasets cannot collide as
     long as question ids are unique within a dataset and the prefix names the dataset.
     """
+    proto = protocols.get(cfg.protocol)
+    tools = search_fn if isinstance(search_fn, dict) else {"search": search_fn}
+    # where an observation goes: inline in the protocol's tags, or a chat-template tool message
+    wrap = tool_message_wrap(tokenizer, proto) if cfg.chat_template and proto.tool_message else proto.obs
     states = []
     for qi, q in enumerate(questions):
-        prompt_ids = tokenizer.encode(render_prompt(q["question"], cfg.prompt_template), add_special_tokens=False)
+        ids = prompt_ids(tokenizer, q["question"], cfg, proto)
         for k in range(group_size):
-            states.append(_State(q, group_prefix + str(q["id"]), k, prompt_ids))
+            states.append(_State(q, group_prefix + str(q["id"]), k, ids))
             if prefixes is not None:
                 _force_prefix(states[-1], prefixes[qi], tokenizer, cfg)
     budget = cfg.max_model_len
@@ -139,11 +189,11 @@ def rollout_batch(
             max_tokens=[min(cfg.max_tokens_per_turn, r) for r in room if r >= 8],
             temperature=0.0 if greedy else cfg.temperature,
             top_p=1.0 if greedy else cfg.top_p,
-            stop=STOP,
+            stop=proto.stop,
             # stable per-rollout seeds (not Python's salted hash): a resumed run samples the same
             seeds=[zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}".encode()) for s in active],
         )
-        pending: list[tuple[_State, str]] = []
+        pending: list[tuple[_State, dict]] = []
         for s, out in zip(active, outs):
             s.turns = turn
             start = len(s.response_ids)
@@ -152,32 +202,67 @@ def rollout_batch(
             s.logprobs += out.logprobs
             text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
             s.chunks.append({"role": "policy", "text": text, "start": start, "end": len(s.response_ids)})
-            if text.rstrip().endswith("</answer>"):
+            act = proto.parse(text, cfg)  # {"kind": "answer" | "act" | "none", "calls", "error"}
+            if act["kind"] == "answer":
                 s.finish = "answer"
-            elif text.rstrip().endswith("</search>"):
-                query = last_block(text, "search")
+            elif act["kind"] == "act":
                 if turn == cfg.max_turns:
                     s.finish = "max_turns"  # the final turn may not search
-                elif query is None:
-                    s.finish = "format"
+                elif act.get("end"):
+                    s.finish = act["end"]  # search_r1: a closing tag without a block ("format")
                 else:
-                    pending.append((s, query))
+                    pending.append((s, act))
             else:
                 s.finish = "length" if out.finish_reason == "length" else "eos"
         if pending:
-            bodies = search_fn([q for _, q in pending])  # one batched call for the whole turn
-            for (s, query), body in zip(pending, bodies):
-                obs = observation_ids(tokenizer, body, cfg.max_obs_tokens)
+            results = _run_tools(tools, [act for _, act in pending])  # one batched call per tool
+            for (s, act), res in zip(pending, results):
+                body = _observe(s, proto, act, res, tools, turn)
+                obs = observation_ids(tokenizer, body, cfg.max_obs_tokens, wrap)
                 start = len(s.response_ids)
                 s.response_ids += obs
                 s.loss_mask += [0] * len(obs)  # retrieved tokens are never the policy's
                 s.logprobs += [0.0] * len(obs)
                 obs_text = tokenizer.decode(obs, skip_special_tokens=False)
                 s.chunks.append({"role": "tool", "text": obs_text, "start": start, "end": len(s.response_ids)})
-                s.tool_calls.append({"turn": turn, "query": query, "result": body})
+                if wrap != proto.obs:  # a chat tool message: the rewards read the protocol's own tags
+                    cut = tokenizer.decode(tokenizer.encode(body, add_special_tokens=False)[: cfg.max_obs_tokens])
+                    s.chunks[-1]["block"] = proto.obs[0] + cut + proto.obs[1]
     for s in states:
         s.finish = s.finish or "max_turns"
-    return [_record(s, tokenizer) for s in states]
+    return [_record(s, tokenizer, proto) for s in states]
+
+
+def _run_tools(tools: dict, acts: list[dict]) -> list[list]:
+    """Every call of the turn, one batched call per tool: acts -> per act, its calls' results."""
+    by_name: dict[str, list[dict]] = {}
+    for act in acts:
+        for call in act["calls"]:
+            by_name.setdefault(call.get("name", "search"), []).append(call)
+    found = {}
+    for name, calls in by_name.items():
+        if name in tools:
+            for call, result in zip(calls, tools[name]([c.get("query", c.get("id")) for c in calls])):
+                found[id(call)] = result
+    return [[found.get(id(call)) for call in act["calls"]] for act in acts]
+
+
+def _observe(s: _State, proto: Protocol, act: dict, results: list, tools: dict, turn: int) -> str:
+    """The observation body of one turn's action; logs the calls and the invalid actions."""
+    if act.get("error"):
+        s.invalid.append({"turn": turn, "error": act["error"]})
+        return invalid_text(proto, act["error"])
+    pieces = [act["note"]] if act.get("note") else []
+    for call, result in zip(act["calls"], results):
+        name = call.get("name", "search")
+        text, error = proto.show(call, result) if name in tools else ("", f"the {name} tool is not available")
+        if error:
+            s.invalid.append({"turn": turn, "error": error})
+            pieces.append(invalid_text(proto, error))
+        else:
+            s.tool_calls.append({"turn": turn, **call, "result": text})
+            pieces.append(text)
+    return "\n".join(pieces)
 
 
 def _force_prefix(s: _State, segments: list[tuple[str, str]], tokenizer, cfg: RolloutConfig) -> None:
@@ -193,13 +278,13 @@ def _force_prefix(s: _State, segments: list[tuple[str, str]], tokenizer, cfg: Ro
             s.tool_calls.append({"turn": 0, "query": last_block(s.chunks[-2]["text"], "search") or "", "result": text})
 
 
-def _record(s: _State, tokenizer) -> dict:
+def _record(s: _State, tokenizer, proto: Protocol | None = None) -> dict:
     response_text = "".join(c["text"] for c in s.chunks)
     segments = []
     for c in s.chunks:
         segments += split_segments(c["text"], c["role"] == "policy")
     policy_text = "".join(c["text"] for c in s.chunks if c["role"] in ("policy", "prefix"))
-    return {
+    record = {
         "question_id": s.question["id"],
         "group_id": s.group_id,
         "sample": s.sample,
@@ -219,3 +304,19 @@ def _record(s: _State, tokenizer) -> dict:
         "turns": s.turns,
         "num_searches": len(s.tool_calls),
     }
+    if proto is None or proto.name == "search_r1":
+        return record  # Search-R1's record, exactly as before protocols existed
+    if any("block" in c for c in s.chunks):  # chat tool messages: the transcript in the protocol's tags
+        record["response"] = "".join(c.get("block", c["text"]) for c in s.chunks)
+    p = parse_response(record.get("response", response_text))  # the rewards' parser (answers.py)
+    answered = s.finish == "answer"
+    record.update({
+        "num_searches": sum(c.get("name", "search") == "search" for c in s.tool_calls),
+        "num_reads": sum(c.get("name") == "read" for c in s.tool_calls),
+        "protocol": proto.name,
+        "answer": p.answer if answered else None,
+        "confidence": p.confidence,
+        "idk": answered and p.idk,
+        "invalid_actions": s.invalid,
+    })  # fmt: skip
+    return record

@@ -157,3 +157,18 @@ def test_rewards_use_the_judge(server):
     assert out["reward"] == pytest.approx(expected)
     web = compute([dict(rec)], "webfilter", judge=judge)[0]["components"]
     assert web["judged"] == 1.0 and web["z"] in (0.0, 1.0) and web["c"] in (0.0, 1.0)
+
+
+def test_eval_metrics_judge_accuracy_over_http(server):
+    """metrics.compute_metrics with the real HTTP judge (eval.py --judge-url): judge_acc is the
+    judge's verdict per answer, an IDK answer is never sent and never correct."""
+    from metrics import compute_metrics
+    from rewards import answer_verdict
+
+    judge = make_judge(f"http://127.0.0.1:{server['port']}/v1", "judge")
+    texts = ["<think> x</think><answer> C1 </answer>", "<think> x</think><answer> C7 </answer>",
+             "<think> x</think><answer> I don't know </answer>"]  # fmt: skip
+    records = [{"response_text": t, "golden_answers": ["C1"], "question": "Where was P1 born?"} for t in texts]
+    m = compute_metrics(records, judge=judge)
+    verdicts = [answer_verdict(dict(r), judge) for r in records[:2]]
+    assert m["judge_acc"] == pytest.approx(sum(verdicts) / 3) and m["acc"] == m["judge_acc"]

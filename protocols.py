@@ -1,0 +1,291 @@
+"""Agent protocols: how the policy acts and what comes back, one table (`PROTOCOLS`).
+
+`rollout.protocol` picks one; rollout.py runs the same loop for all of them. A protocol is a
+plain record of
+
+    system   the instructions, in our own words after the paper (never its text); the plain
+             prompt is `system + " Question: <question>\\n"`. With `rollout.chat_template` the
+             model's own chat template gets them as the system message, the question as the user
+             message (and `tools`, the tool schemas, for JSON tool calling)
+    stop     stop strings: a turn ends right after an action or an answer (DESIGN §7)
+    parse    one policy turn's text -> {"kind": "answer"} | {"kind": "none"} (no action: the
+             rollout ends) | {"kind": "act", "calls": [..], "error": why it is invalid, "note": ..}
+    show     (call, tool result) -> (text the policy sees, error or None)
+    obs      (head, tail) around an observation; rollout.py cuts only the body between them, so
+             the closing tag survives truncation. `tool_message`: with a chat template the
+             observation is a tool message of the model's template instead (webfilter)
+    hint     what a valid action looks like, for the invalid-action observation
+    idk      the reliable-prompt sentence added with `rollout.allow_idk` (BAPO §3.2)
+
+    protocol      the policy writes                                   and gets back
+    search_r1     <search> q </search>                                <information> Doc i(Title: t) text </information>
+    bapo          <search> q </search>, <answer> .. \\boxed{a} </answer> <result> .. </result>
+    deliberative  <confidence> n </confidence> each step, then        <result> [id] title per source </result>
+                  <search> q </search> | <read> id </read> | <answer>   <result> [id] title, the source's text </result>
+    webfilter     <tool_call>{"name": "search", "arguments":          <tool_response> [i] title | url | date,
+                  {"queries": ["q1", "q2"]}}</tool_call>                 snippet </tool_response> (a tool message)
+
+A malformed action (not JSON, unknown tool, empty search or read, a read of a missing id, a step
+confidence outside 1-10, BAPO's answer without one well-formed \\boxed{}) gets an "invalid
+action" observation and costs its turn; it never raises. search_r1 keeps Search-R1's loop
+exactly as before: a closing </search> without a block ends the rollout (finish "format").
+
+Calls are dicts: {"name": "search", "query": q} or {"name": "read", "id": x} (search_r1's are
+{"query": q}: its tool log predates the names; metrics.py counts a nameless entry as a search).
+Parsing goes through answers.py, the parser the rewards use, so it is written once.
+Known gap: that parser's format check (answers._structure_ok) accepts a <confidence> only next to
+the final answer, so deliberative's step confidences fail rewards.deliberative's r_format
+(tests/test_protocols.py has it as a strict xfail).
+
+Tools (rollout_batch's `search_fn`): a batched callable (queries -> results), or a dict of them,
+{"search": .., "read": ..}; `web_tools` builds both on websearch.py. A result is text, or a
+websearch dict ({"results": [..]} / {"title", "text"} / {"error": ..}) that `show` renders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from answers import boxed, confidence_value, last_block, load_tool_call, tool_call_queries
+from config import ConfigError, RolloutConfig
+
+# Our own wording of Search-R1's instruction (DESIGN §3): think, search when knowledge is
+# missing, read the information, answer briefly. rollout.SEARCH_R1_TEMPLATE is this + the question.
+SEARCH_R1_SYSTEM = (
+    "Answer the question. Reason inside <think> and </think> every time you get new "
+    "information. If some knowledge is missing, search for it with <search> query </search>; "
+    "the top results come back between <information> and </information>. You may search "
+    "as often as you like. When you know the answer, write it inside <answer> and </answer> "
+    "with no explanation, for example <answer> Paris </answer>."
+)
+
+# BAPO App. C.1 (TIR prompt), our wording: think / search / result tags, the exact answer boxed.
+BAPO_SYSTEM = (
+    "You solve questions step by step and can look facts up with a Wikipedia search tool. "
+    "Write your reasoning between <think> and </think> before every action. To look something "
+    "up, put a query between <search> and </search>; what the tool finds comes back between "
+    "<result> and </result>. Finish with the answer between <answer> and </answer>, its last "
+    "part being the exact final answer inside \\boxed{}, for example "
+    "<answer> So it is \\boxed{Paris} </answer>."
+)
+
+# Deliberative Searcher §2.2, our wording: THINK / SEARCH / READ, a 1-10 confidence on every step.
+DELIBERATIVE_SYSTEM = (
+    "Answer the question carefully and say how sure you are at every step. A step is your "
+    "reasoning between <think> and </think>, then how likely you are to answer correctly now, "
+    "a whole number from 1 (a guess) to 10 (certain), between <confidence> and </confidence>, "
+    "then one action: <search> query </search> lists matching sources as [id] title lines; "
+    "<read> id </read> returns the text of one source by its id; <answer> answer </answer> "
+    "ends, with no explanation. Tool output comes back between <result> and </result>. "
+    "Search and read when you are unsure, and revise your confidence after what you find. "
+    "A last step looks like <think> the source says Paris </think><confidence> 8 </confidence>"
+    "<answer> Paris </answer>."
+)
+
+# WebFilter §3.2, our wording: JSON tool calls, advanced operators, distrust of unreliable pages.
+WEBFILTER_SYSTEM = (
+    "Answer the question with the help of a web search tool. The web also holds pages that are "
+    "wrong, so prefer sources you can trust. Reason between <think> and </think> before every "
+    "action. To search, write one JSON object between <tool_call> and </tool_call>: "
+    '{"name": "search", "arguments": {"queries": ["a query", "another query"]}}, with at most '
+    "{max_queries} queries per call. A query may use operators: site:domain or -site:domain to "
+    'keep or drop a source, "an exact phrase", -word, AND / OR / NOT in capitals, '
+    "before:YYYY-MM-DD and after:YYYY-MM-DD. Each result comes back between <tool_response> and "
+    "</tool_response> with its title, url, date and a snippet. Search no more than you need. "
+    "Give the final answer between <answer> and </answer> with no explanation, for example "
+    "<answer> Paris </answer>."
+)
+
+SEARCH_TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Web search with operators (site:, -site:, before:, after:, quotes, AND / OR / NOT, -word).",
+        "parameters": {
+            "type": "object",
+            "properties": {"queries": {"type": "array", "items": {"type": "string"}, "description": "search queries"}},
+            "required": ["queries"],
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    system: str
+    stop: list[str]
+    parse: Callable[[str, RolloutConfig], dict]
+    show: Callable[[dict, object], tuple[str, str | None]]
+    obs: tuple[str, str]
+    hint: str = ""
+    idk: str = ""
+    tool_message: bool = False
+    tools: list[dict] = field(default_factory=list)
+
+
+def invalid(why: str) -> dict:
+    return {"kind": "act", "calls": [], "error": why}
+
+
+def _ends(text: str, tag: str) -> bool:
+    return text.rstrip().endswith(f"</{tag}>")
+
+
+# ------------------------------------------------------------------------------- parse a turn
+
+
+def parse_search_r1(text: str, cfg: RolloutConfig) -> dict:
+    """Search-R1's loop as it always was: an empty query is searched, a bare </search> ends."""
+    if _ends(text, "answer"):
+        return {"kind": "answer"}
+    if _ends(text, "search"):
+        query = last_block(text, "search")
+        return (
+            {"kind": "act", "calls": [], "end": "format"}
+            if query is None
+            else {"kind": "act", "calls": [{"query": query}]}
+        )
+    return {"kind": "none"}
+
+
+def parse_bapo(text: str, cfg: RolloutConfig) -> dict:
+    if _ends(text, "answer"):
+        if not boxed(last_block(text, "answer") or ""):
+            return invalid("the answer needs the final answer inside one \\boxed{}, not nested and not empty")
+        return {"kind": "answer"}
+    if _ends(text, "search"):
+        query = last_block(text, "search")
+        return {"kind": "act", "calls": [{"name": "search", "query": query}]} if query else invalid("empty search")
+    return {"kind": "none"}
+
+
+def parse_deliberative(text: str, cfg: RolloutConfig) -> dict:
+    if _ends(text, "answer"):  # a final confidence outside 1-10 is a format failure in the reward
+        return {"kind": "answer"}
+    for tag, key in (("search", "query"), ("read", "id")):
+        if _ends(text, tag):
+            raw = last_block(text, "confidence")
+            if raw is not None and confidence_value(raw) is None:
+                return invalid(f"the confidence must be a whole number from 1 to 10, not {raw[:20]!r}")
+            arg = last_block(text, tag)
+            if not arg:
+                return invalid(f"empty or unopened <{tag}> block")
+            conf = {} if raw is None else {"confidence": confidence_value(raw)}
+            return {"kind": "act", "calls": [{"name": tag, key: arg, **conf}]}
+    return {"kind": "none"}
+
+
+def parse_webfilter(text: str, cfg: RolloutConfig) -> dict:
+    if _ends(text, "answer"):
+        return {"kind": "answer"}
+    if not _ends(text, "tool_call"):
+        return {"kind": "none"}
+    body = last_block(text, "tool_call")
+    call = load_tool_call(body) if body is not None else None
+    if call is None:
+        return invalid('the tool call is not JSON like {"name": "search", "arguments": {"queries": [..]}}')
+    if call.get("name") != "search":
+        return invalid(f"unknown tool {str(call.get('name'))[:40]!r}; the only tool is search")
+    queries = tool_call_queries(body)
+    if not queries or not all(q.strip() for q in queries):
+        return invalid("arguments.queries must be a list of non-empty strings")
+    n = cfg.max_queries_per_call
+    note = f"(only the first {n} of {len(queries)} queries were run)" if len(queries) > n else ""
+    return {"kind": "act", "calls": [{"name": "search", "query": q.strip()} for q in queries[:n]], "note": note}
+
+
+# --------------------------------------------------------------------- show one tool's result
+
+
+def _error(result) -> str | None:
+    return result.get("error") if isinstance(result, dict) else None
+
+
+def show_text(call: dict, result) -> tuple[str, str | None]:
+    """Search-R1 / BAPO: the search tool's rendered hits, as given."""
+    return (result if isinstance(result, str) else str(result)), None
+
+
+def show_deliberative(call: dict, result) -> tuple[str, str | None]:
+    """SEARCH lists sources ([id] title), READ shows one; a read of a missing id is invalid."""
+    if not isinstance(result, dict):  # a tool that renders its own text (e.g. Search-R1's hits)
+        return str(result), None
+    if _error(result):
+        return "", f"{call['name']} failed: {result['error']}"
+    if call["name"] == "read":
+        return f"[{result.get('id', call['id'])}] {result.get('title', '')}\n{result.get('text', '')}", None
+    sources = [f"[{r['id']}] {r.get('title', '')}" for r in result.get("results", [])]
+    return "\n".join(sources) or "No sources found.", None
+
+
+def show_web(call: dict, result) -> tuple[str, str | None]:
+    """WebFilter: each query's results as title | url | date and a snippet (websearch.py's format)."""
+    if isinstance(result, str):
+        text = result
+    elif not isinstance(result, dict) or "results" not in result:
+        text = str(result)
+    else:
+        from websearch import format_web_results  # lazy: websearch imports the retriever
+
+        text = format_web_results({"error": result.get("error"), "results": result["results"]})
+    return f"Results for {call['query']}:\n{text}", None
+
+
+# ------------------------------------------------------------------------------------ table
+
+PROTOCOLS = {
+    "search_r1": Protocol(
+        "search_r1", SEARCH_R1_SYSTEM, ["</search>", "</answer>"], parse_search_r1, show_text,
+        ("\n<information>", "</information>\n"),
+        hint="Search with <search> query </search> or answer with <answer> answer </answer>.",
+        idk=" If you cannot find the answer, answer I don't know.",
+    ),
+    "bapo": Protocol(
+        "bapo", BAPO_SYSTEM, ["</search>", "</answer>"], parse_bapo, show_text, ("\n<result>", "</result>\n"),
+        hint="Search with <search> query </search> or answer with <answer> .. \\boxed{answer} </answer>.",
+        idk=" If your reasoning and searches cannot settle the question, answer \\boxed{I DON'T KNOW}.",
+    ),
+    "deliberative": Protocol(
+        "deliberative", DELIBERATIVE_SYSTEM, ["</search>", "</read>", "</answer>"], parse_deliberative,
+        show_deliberative, ("\n<result>", "</result>\n"),
+        hint="Write <confidence> 1-10 </confidence>, then <search> query </search>, <read> id </read> (an id "
+        "from the search results) or <answer> answer </answer>.",
+        idk=" If you cannot find out, answer I don't know, with a low confidence.",
+    ),
+    "webfilter": Protocol(
+        "webfilter", WEBFILTER_SYSTEM, ["</tool_call>", "</answer>"], parse_webfilter, show_web,
+        ("\n<tool_response>\n", "\n</tool_response>\n"),
+        hint='Call <tool_call>{"name": "search", "arguments": {"queries": ["..."]}}</tool_call> or answer with '
+        "<answer> answer </answer>.",
+        idk=" If the evidence is not enough to answer safely, answer I don't know.",
+        tool_message=True, tools=[SEARCH_TOOL_SCHEMA],
+    ),
+}  # fmt: skip
+
+
+def get(name: str) -> Protocol:
+    if name not in PROTOCOLS:
+        raise ConfigError(f"config key 'rollout.protocol' must be one of {', '.join(PROTOCOLS)}; got {name!r}")
+    return PROTOCOLS[name]
+
+
+def invalid_text(proto: Protocol, why: str) -> str:
+    """The invalid-action observation (our wording of the papers' "invalid action, try again")."""
+    return f"Invalid action: {why}. {proto.hint} Try again."
+
+
+def instructions(proto: Protocol, cfg: RolloutConfig) -> str:
+    text = proto.system.replace("{max_queries}", str(cfg.max_queries_per_call))
+    return text + (proto.idk if cfg.allow_idk else "")
+
+
+def web_tools(index, k: int = 5, read_tokens: int = 512, tokenizer=None) -> dict:
+    """{"search", "read"} batched over websearch.py on a built index (deliberative, webfilter)."""
+    from websearch import read, web_search
+
+    return {
+        "search": lambda queries: [web_search(index, q, k) for q in queries],
+        "read": lambda ids: [read(index, i, read_tokens, tokenizer) for i in ids],
+    }
