@@ -71,7 +71,7 @@ def mixed_prompts(policy, n: int = 6) -> list[str]:
     rng = random.Random(0)
     pool = [f"Verdict: {b}\n" * k + "Verdict:" for b in (0, 1) for k in (1, 3, 6)]
     pool += [f"{d} " * k for d in "01" for k in range(1, 9)] + [d * k for d in "01" for k in range(2, 9)]
-    pool += ["".join(rng.choice("01 abcdeVelor.\n") for _ in range(rng.randint(3, 40))) for _ in range(300)]
+    pool += ["".join(rng.choice("01 abcdeVelor.\n") for _ in range(rng.randint(3, 40))) for _ in range(1500)]
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
     one, zero = tok.encode("1", add_special_tokens=False)[0], tok.encode("0", add_special_tokens=False)[0]
@@ -82,8 +82,10 @@ def mixed_prompts(policy, n: int = 6) -> list[str]:
             margins.append(float(logits[one] - logits[zero]))
     order = sorted(range(len(pool)), key=lambda i: margins[i])
     low, high = order[:n], order[-n:]
-    assert margins[high[-1]] > 0.5 and margins[low[0]] < -0.5, "the micro model never clearly prefers 1 or 0"
-    return [pool[i] for i in low if margins[i] < -0.5] + [pool[i] for i in high if margins[i] > 0.5]
+    # 0.2 logits: far above the ~1e-5 by which vLLM's and transformers' numerics differ, so both
+    # engines pick the same side; a fresh CI build once topped out at 0.46 on a 300-prompt pool
+    assert margins[high[-1]] > 0.2 and margins[low[0]] < -0.2, "the micro model never clearly prefers 1 or 0"
+    return [pool[i] for i in low if margins[i] < -0.2] + [pool[i] for i in high if margins[i] > 0.2]
 
 
 def test_parse_verdict():
