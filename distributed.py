@@ -1,4 +1,5 @@
-"""Several processes, one model: FSDP2 sharding, the process group, full weights for vLLM.
+"""Several processes, one model: FSDP2 sharding, the process group, full weights for vLLM,
+balanced micro-batches, and the optimizer (8-bit AdamW steps each process's shard).
 
 The same code runs CPU processes talking over gloo and GPUs talking over NCCL. Each process
 holds 1/world of every parameter, gradient and Adam moment; a layer's full weights exist only
@@ -27,6 +28,7 @@ it keeps one code path for the test on CPU and the run on GPUs.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,6 +151,53 @@ def all_reduce(x: torch.Tensor, world: int, op: str = "sum") -> torch.Tensor:
     y = x.clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return y.cpu()
+
+
+def balanced_micro_batches(share: list[int], lengths: list[int], budget: int, world: int,
+                           filler: list[int]) -> list[tuple[list[int], float]]:  # fmt: skip
+    """This process's items `share` (their `lengths`) in token-budget micro-batches, weight 1.0,
+    then zero-weight repeats (of its first micro-batch, or `filler` if it has none) until every
+    process runs as many forward/backward passes: FSDP's collectives must line up.
+
+    >>> balanced_micro_batches([0, 2], [30, 29], 64, 1, [0])   # one process: no repeats
+    [([2, 0], 1.0)]
+    """
+    from sft import token_budget_batches
+
+    micro = [[share[j] for j in b] for b in token_budget_batches(lengths, budget, random.Random(0))]
+    n_micro = int(all_reduce(torch.tensor(float(len(micro))), world, "max"))
+    return [(idx, 1.0) for idx in micro] + [(micro[0] if micro else filler, 0.0)] * (n_micro - len(micro))
+
+
+def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):
+    """AdamW, or bitsandbytes' 8-bit AdamW (1 byte per moment instead of 4; it steps on CPU too).
+
+    bitsandbytes cannot step FSDP2's DTensor parameters ("got mixed torch.Tensor and DTensor"),
+    so under FSDP it steps plain Parameters that share storage with each process's local shard:
+    a pre-step hook hands them the shards of the gradients and the update lands in the shards in
+    place (so the loop clears gradients with model.zero_grad(), which reaches the DTensors).
+    Each process keeps the 8-bit state of its shard."""
+    params = list(params)
+    if kind != "adamw8bit":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    import bitsandbytes as bnb
+
+    if not any(hasattr(p, "to_local") for p in params):
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    shards = [torch.nn.Parameter(p.to_local().detach(), requires_grad=True) for p in params]  # same storage
+    optimizer = bnb.optim.AdamW8bit(shards, lr=lr, weight_decay=weight_decay)
+
+    def take_gradients(*_):
+        for p, s in zip(params, shards):
+            s.grad = None if p.grad is None else p.grad.to_local()
+
+    def drop_gradients(*_):  # the parameters' own gradients: model.zero_grad() before the next step
+        for s in shards:
+            s.grad = None
+
+    optimizer.register_step_pre_hook(take_gradients)
+    optimizer.register_step_post_hook(drop_gradients)
+    return optimizer
 
 
 def clip_grad_norm(module, max_norm: float) -> float:

@@ -41,13 +41,12 @@ One PPO step in the trainer, with these functions:
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from sft import pad_batch, pad_rows, per_position, policy_positions, token_budget_batches
+from sft import pad_batch, pad_rows, per_position, policy_positions
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -270,16 +269,13 @@ def critic_step(
     loss x world (FSDP averages gradients), and runs as many micro-batches as the busiest one
     (zero-weight repeats: the collectives must line up). Returns value_loss, value_clip_frac,
     critic_grad_norm and value_mean (the critic's V on policy tokens before the step)."""
-    from distributed import all_reduce, clip_grad_norm
+    from distributed import all_reduce, balanced_micro_batches, clip_grad_norm
 
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
     masks = [policy_positions(r, mask_retrieved) for r in records]
     n_tokens = max(1, sum(sum(m) for m in masks))
     share = list(range(len(records)))[rank::world]
-    micro = [[share[j] for j in b] for b in token_budget_batches([len(seqs[i]) for i in share], micro_batch_tokens,
-                                                                  random.Random(0))]  # fmt: skip
-    n_micro = int(all_reduce(torch.tensor(float(len(micro))), world, "max"))
-    runs = [(idx, 1.0) for idx in micro] + [(micro[0] if micro else [0], 0.0)] * (n_micro - len(micro))
+    runs = balanced_micro_batches(share, [len(seqs[i]) for i in share], micro_batch_tokens, world, [0])
     device = next(critic.parameters()).device
     critic.train()
     optimizer.zero_grad(set_to_none=True)

@@ -67,11 +67,11 @@ from constraints import log_row as constraint_log
 from constraints import restore as restore_constraints
 from constraints import state as constraint_state
 from data import data_paths, ensure_policy, load_questions, make_search_fn
-from distributed import all_reduce, clip_grad_norm
+from distributed import all_reduce, balanced_micro_batches, clip_grad_norm, make_optimizer
 from engine import load_policy, load_tokenizer, make_engine
 from rewards import BapoState, bapo_resample_groups, score
 from rollout import rollout_batch
-from sft import pad_batch, pad_rows, per_position, policy_positions, token_budget_batches, token_logprobs
+from sft import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
 
 # ---------------------------------------------------------------------------------------------
 # The GRPO math (DESIGN.md §4). Pure functions on tensors, tested in tests/test_grpo.py.
@@ -271,10 +271,7 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
     norm = tcfg.loss_norm_tokens or cfg.rollout.max_model_len
     weight = dict(zip(mini, loss_weights([int(c) for c in counts], tcfg.loss_agg, norm)))
     share = mini[rank::world]
-    lengths = [len(seqs[i]["ids"]) for i in share]
-    micro = [[share[j] for j in b] for b in token_budget_batches(lengths, tcfg.micro_batch_tokens, random.Random(0))]
-    n_micro = int(all_reduce(torch.tensor(float(len(micro))), world, "max"))
-    runs = [(idx, 1.0) for idx in micro] + [(micro[0] if micro else mini[:1], 0.0)] * (n_micro - len(micro))
+    runs = balanced_micro_batches(share, [len(seqs[i]["ids"]) for i in share], tcfg.micro_batch_tokens, world, mini[:1])
     model.zero_grad(set_to_none=True)  # not optimizer's: see make_optimizer
     sums = torch.zeros(4)  # loss, kl, clipped, entropy: sums over policy tokens
     for idx, real in runs:
@@ -320,37 +317,6 @@ def memory_savers(model, cfg: Config):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
-
-
-def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):
-    """AdamW, or bitsandbytes' 8-bit AdamW (1 byte per moment instead of 4; it steps on CPU too).
-
-    bitsandbytes cannot step FSDP2's DTensor parameters ("got mixed torch.Tensor and DTensor"),
-    so under FSDP it steps plain Parameters that share storage with each process's local shard:
-    a pre-step hook hands them the shards of the gradients and the update lands in the shards in
-    place (so the loop clears gradients with model.zero_grad(), which reaches the DTensors).
-    Each process keeps the 8-bit state of its shard."""
-    params = list(params)
-    if kind != "adamw8bit":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    import bitsandbytes as bnb
-
-    if not any(hasattr(p, "to_local") for p in params):
-        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
-    shards = [torch.nn.Parameter(p.to_local().detach(), requires_grad=True) for p in params]  # same storage
-    optimizer = bnb.optim.AdamW8bit(shards, lr=lr, weight_decay=weight_decay)
-
-    def take_gradients(*_):
-        for p, s in zip(params, shards):
-            s.grad = None if p.grad is None else p.grad.to_local()
-
-    def drop_gradients(*_):  # the parameters' own gradients: model.zero_grad() before the next step
-        for s in shards:
-            s.grad = None
-
-    optimizer.register_step_pre_hook(take_gradients)
-    optimizer.register_step_post_hook(drop_gradients)
-    return optimizer
 
 
 def lr_at(step: int, cfg: Config) -> float:

@@ -14,7 +14,7 @@ Parts (each prints its table; `--json` also writes the raw numbers):
            state in the first) on 8 fake rollouts of 512 tokens (prompt 64, then policy
            runs of 96 tokens and retrieved runs of 64, masked), fp32, no reference model,
            in four configurations: baseline (AdamW), gradient checkpointing (train.memory_savers),
-           8-bit AdamW (bitsandbytes, train.make_optimizer), both. Each configuration runs in
+           8-bit AdamW (bitsandbytes, distributed.make_optimizer), both. Each configuration runs in
            a fresh subprocess; peak = ru_maxrss after the steps, also minus the RSS right
            after loading the model (weights paged in). `--rss-reps 2` runs the four again in
            reverse order; `--mmap-threshold` sets MALLOC_MMAP_THRESHOLD_=65536 in the children,

@@ -6,7 +6,7 @@
 
 SPEC.json: {"model": dir, "records": json file, "pad_id": int, "out": dir, "cases": [{"name",
 "overrides": [key=value, ..], "sharded_only": bool}, ..]}. For each case a fresh copy of the
-model takes one grpo_step (optimizer from train.make_optimizer; the reference model only if
+model takes one grpo_step (optimizer from distributed.make_optimizer; the reference model only if
 distributed.needs_reference), and rank 0 writes out/<name>.json (loss, grad norm, KL, clip
 fraction, ...), out/<name>.safetensors (the updated full weights, via distributed.full_weights)
 and out/<name>.grads.safetensors (the last mini-batch's gradients). The first case also writes
