@@ -152,12 +152,21 @@ def tool_call_queries(body: str) -> list[str] | None:
 
 
 def _structure_ok(blocks: list[tuple[str, str]]) -> bool:
-    """think -> (action -> observation -> think)* -> [confidence] -> answer, only whitespace between.
+    """think -> (action -> observation -> think)* -> answer, only whitespace between, where every
+    think may be followed by a <confidence> (Deliberative Searcher §2.2: a confidence on each step
+    and on the answer) and the answer by one.
 
     Search-R1's `is_valid_sequence` with the action and observation tags widened to the other
-    papers' (tool_call / read, result / tool_response) and Deliberative Searcher's confidence.
+    papers' (tool_call / read, result / tool_response) and Deliberative Searcher's confidences.
+
+    >>> _structure_ok([("think", ""), ("confidence", "3"), ("search", ""), ("information", ""),
+    ...                ("think", ""), ("confidence", "9"), ("answer", "")])
+    True
     """
+    if any(k == "confidence" and confidence_value(b) is None for k, b in blocks):
+        return False  # a confidence must be an integer 1..10 ("11" or "high" is a format failure)
     kinds = [k for k, _ in blocks]
+    kinds = [k for i, k in enumerate(kinds) if not (k == "confidence" and i and kinds[i - 1] == "think")]
     if not kinds or "text" in kinds or kinds[0] != "think":
         return False
     i = 1
@@ -165,7 +174,7 @@ def _structure_ok(blocks: list[tuple[str, str]]) -> bool:
         if i + 2 >= len(kinds) or kinds[i + 1] not in OBSERVATIONS or kinds[i + 2] != "think":
             return False
         i += 3
-    return kinds[i:] in (["answer"], ["confidence", "answer"], ["answer", "confidence"])
+    return kinds[i:] in (["answer"], ["answer", "confidence"])
 
 
 def parse_response(text: str) -> Parsed:

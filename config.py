@@ -1,7 +1,8 @@
 """Configuration: plain dataclasses, loaded from YAML, overridden with `--set a.b=value`.
 
 Every knob of the trainer lives here, with its default and where the default comes from.
-A YAML file only has to name what it changes. An unknown key is an error that names the key
+A YAML file only has to name what it changes, and may start from another (`base: other.yaml`,
+relative to the file). An unknown key is an error that names the key
 (a typo such as `train.lr_rate` must not silently train with the default), and a missing file
 is an error that names the path.
 
@@ -48,6 +49,13 @@ class WorldConfig:
     # share of people and of cities that also get a contradicting passage on an unreliable
     # domain (DESIGN §5), so that restricting the source (site:, WebFilter) pays
     unreliable_frac: float = 0.05
+    # Extensions for the papers' tiny runs (configs/tiny_papers.yaml); 0 leaves the world as it was.
+    # unanswerable_frac: per split, this many extra people (as a share of the split's) whose
+    # passage is absent from the corpus (BAPO's "I don't know" questions).
+    unanswerable_frac: float = 0.0
+    # misinfo_frac: share of people with an unreliable-domain passage that outranks the reliable
+    # one on a plain query and states a wrong city (WebFilter: only site: finds the truth).
+    misinfo_frac: float = 0.0
     cache_dir: str = "cache"
 
 
@@ -83,6 +91,10 @@ class SFTConfig:
     # "random": the teacher writes <confidence>N</confidence> before each answer with N drawn
     # uniformly from 1-10, uncorrelated with being right (what Deliberative Searcher's RL fixes)
     confidence: str = ""
+    # The papers' imperfections (each what one paper's RL fixes; world.teacher_segments):
+    p_idk: float = 0.0  # answer "I don't know" at random, never because it should (BAPO)
+    p_site: float = 0.0  # restrict the source with site:tinypedia.org, rarely (WebFilter)
+    p_unfaithful_think: float = 0.0  # a think after the information that ignores it (VERITAS)
 
 
 @dataclass
@@ -160,6 +172,10 @@ class TrainConfig:
     # for a reward defined outside this repo (README "Fork recipe")
     reward: str = "em"
     reward_params: dict = field(default_factory=dict)  # e.g. {lam: 0.1, zeta: 5}; see rewards.py
+    # The judge of the rewards that need one (webfilter, veritas, deliberative acc_metric judge):
+    # "" none, "rule" the tiny world's rule judge (judge.RuleJudge), or an OpenAI-compatible URL
+    judge: str = ""
+    judge_model: str = ""  # the model name on that server
     algo: str = "grpo"  # grpo | ppo (critic + GAE, ppo.py) | rft (rejection-sampling fine-tuning)
     # Passes over each rollout batch and optimizer steps per pass (BAPO: 2 epochs, batch 64 /
     # mini-batch 16 = 4). With more than one update, pi_old is recomputed by the trainer.
@@ -282,6 +298,7 @@ CHOICES = {
     "train.algo": ("grpo", "ppo", "rft"),
     "train.lr_schedule": ("constant", "cosine"),
     "sft.confidence": ("", "random"),
+    "rollout.protocol": ("search_r1", "bapo", "deliberative", "webfilter"),
     "train.optimizer": ("adamw", "adamw8bit"),
 }
 
@@ -294,18 +311,28 @@ def _check_choices(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {value!r}")
 
 
+def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:
+    """Apply one YAML file to cfg; its `base: other.yaml` (relative to the file) goes first, so a
+    paper's config names only what it changes (configs/tiny_bapo.yaml: `base: tiny_papers.yaml`)."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
+    if path.resolve() in seen:
+        raise ConfigError(f"config {path}: its base chain loops back to itself")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    base = data.pop("base", None)
+    if base is not None:
+        _apply_file(cfg, path.parent / str(base), [*seen, path.resolve()])
+    for key, value in data.items():
+        _set(cfg, str(key), value)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML scalars)."""
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        for key, value in data.items():
-            _set(cfg, str(key), value)
+        _apply_file(cfg, Path(path), [])
     for item in overrides or []:
         key, eq, raw = item.partition("=")
         if not eq:

@@ -34,8 +34,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from answers import parsed
 from config import Config, ConfigError, DataError, load_config
-from rewards import score
+from rewards import score, source_restricting
 from rollout import rollout_batch
 
 MODES = ("direct", "cot", "rag", "agentic", "reliable")
@@ -52,9 +53,15 @@ def summarize(records: list[dict]) -> dict:
     if not records:
         raise ValueError("no rollouts to summarise (empty dataset?)")
     by_type: dict[str, list[dict]] = defaultdict(list)
+    categories = any("category" in r.get("metadata", {}) for r in records)  # the papers' tiny world
     for r in records:
+        meta = r.get("metadata", {})
         by_type[""].append(r)
-        by_type[r.get("metadata", {}).get("type", "")].append(r)
+        by_type[meta.get("type", "")].append(r)
+        if categories:  # "plain", "unanswerable" or "misinfo" (world.py); plain + misinfo = answerable
+            by_type[meta.get("category", "plain")].append(r)
+            if meta.get("category") != "unanswerable":
+                by_type["answerable"].append(r)
     out: dict[str, float] = {"n": len(records)}
     for kind, rs in sorted(by_type.items()):
         suffix = f"_{kind}" if kind else ""
@@ -63,6 +70,11 @@ def summarize(records: list[dict]) -> dict:
         out[f"f1{suffix}"] = sum(r["reward_components"]["f1"] for r in rs) / n
         out[f"format_ok{suffix}"] = sum(r["reward_components"]["format_ok"] for r in rs) / n
         out[f"searches{suffix}"] = sum(r["num_searches"] for r in rs) / n
+        if categories:
+            out[f"idk{suffix}"] = sum(parsed(r).idk for r in rs) / n
+            out[f"operator{suffix}"] = sum(source_restricting(r)["reward"] for r in rs) / n  # WebFilter R_src
+    for r in records:
+        r.pop("_parsed", None)
     return out
 
 

@@ -3,6 +3,7 @@
     judge = make_judge(url="http://127.0.0.1:8001/v1", model="qwen3-30b-a3b")   # `vllm serve` on the box
     judge = make_judge(model="/models/Qwen2.5-7B-Instruct", hf=True)             # in process, transformers
     judge.verdicts([judge.prompt("info_think", info="Doc 1 ...", think="So it is Velor.")])   # [1.0]
+    judge = make_judge(url="rule")    # the tiny world's rule judge (RuleJudge): no model, no server
 
 Used by WebFilter's retrieval-precision judge (z: answer correct, c: the operators helped; eq. 5),
 VERITAS's info-think and think-search faithfulness (§3.2-3.3), and Deliberative Searcher's
@@ -233,8 +234,77 @@ class Judge:
         return out
 
 
-def make_judge(url: str = "", model: str = "", hf: bool = False, **kw) -> Judge:
-    """An HTTP judge (url) or an in-process transformers judge (hf=True, model = a local dir)."""
+# --------------------------------------------------------------------------------------------
+# The rule judge: the tiny world's stand-in, labelled as such wherever it is used.
+
+RULE_JUDGE = "rule judge (tiny world)"
+# capitalised words that are not entities: sentence starts of the tiny world's texts and tags
+NOT_ENTITIES = {"I", "It", "Doc", "Title", "No", "Fans", "Some", "Answer", "Question", "Say", "Where", "In", "The"}
+
+
+def entities(text: str) -> set[str]:
+    """Capitalised words (the tiny world's names), e.g. "Tavi Morek was born in Velor." ->
+    {"Tavi", "Morek", "Velor"}; "I know the answer." -> set()."""
+    return set(re.findall(r"\b[A-Z][a-z]+\b", text or "")) - NOT_ENTITIES
+
+
+def _rule_answer(question: str = "", answer: str = "", golden=(), **_) -> float:
+    from answers import exact_match
+
+    return exact_match(answer, [golden] if isinstance(golden, str) else list(golden))
+
+
+def _rule_info_think(info: str = "", think: str = "", **_) -> float:
+    """The think names an entity that appears in the information just before it."""
+    return float(bool(entities(think) & entities(info)))
+
+
+def _rule_think_search(think: str = "", search: str = "", **_) -> float:
+    """The query names an entity the think before it named."""
+    return float(bool(entities(search) & entities(think)))
+
+
+def _rule_syntax(question: str = "", queries=(), evidence=(), **_) -> float:
+    """An operator query (site:, ...) brought back a source about the question's subject."""
+    from rewards import SOURCE_OPERATORS
+
+    subject = entities(question)
+    return float(any(SOURCE_OPERATORS.search(q) and subject & entities(e) for q, e in zip(queries, evidence)))
+
+
+RULES = {"answer": _rule_answer, "info_think": _rule_info_think, "think_search": _rule_think_search,
+         "syntax": _rule_syntax}  # fmt: skip
+
+
+@dataclass
+class RuleJudge:
+    """judge.Judge's interface (prompt, verdicts) decided by rules on the tiny world's text, so
+    VERITAS's and WebFilter's judge rewards run on a laptop. Not an LLM: reports name it
+    RULE_JUDGE. The prompt is the kind and its fields as JSON (no text to parse back)."""
+
+    model: str = RULE_JUDGE
+    failures: int = 0
+    calls: int = 0
+
+    def prompt(self, kind: str, **fields) -> str:
+        if kind not in RULES:
+            raise ValueError(f"the rule judge has no rule for {kind!r}; known: {', '.join(RULES)}")
+        return json.dumps({"kind": kind, **fields})
+
+    def verdicts(self, prompts: list[str]) -> list[float]:
+        self.calls += len(prompts)
+        out = []
+        for p in prompts:
+            fields = json.loads(p)
+            out.append(float(RULES[fields.pop("kind")](**fields)))
+        return out
+
+
+def make_judge(url: str = "", model: str = "", hf: bool = False, **kw) -> Judge | RuleJudge:
+    """An HTTP judge (url), an in-process transformers judge (hf=True, model = a local dir), or
+    url="rule": the tiny world's rule judge (RuleJudge)."""
+    if url == "rule":
+        return RuleJudge()
     if not url and not hf:
         raise ValueError("a judge needs a url (OpenAI-compatible server) or hf=True with a model directory")
     if kw.get("on_failure", "error") not in ("error", "zero"):

@@ -396,3 +396,15 @@ def metrics_by_dataset(records: list[dict], zeta: float = 5, judge=None, referen
     for r in records:
         groups.setdefault(dataset_of(r), []).append(r)
     return {name: compute_metrics(groups[name], zeta, judge, reference_records, n_bins) for name in sorted(groups)}
+
+
+PAPER_KEYS = ("ds_reliability", "ds_false_certain", "bapo_idk_rate", "operator_use", "info_think", "think_answer")
+
+
+def paper_metrics(records: list[dict], judge=None) -> dict:
+    """The papers' headline metrics of one validation pass (train.py logs them at each eval):
+    reliability and false-certain rate (Deliberative Searcher), IDK rate (BAPO), operator use
+    (WebFilter), info-think and think-answer faithfulness (VERITAS; info_think needs a judge)."""
+    m = compute_metrics(records, judge=judge)
+    return {k: m[k] for k in PAPER_KEYS if k in m}
+

@@ -39,10 +39,12 @@ VARIANTS = {  # name -> extra overrides of the training config
 KEYS = ("em", "em_1hop", "em_2hop", "f1", "searches_2hop")
 
 
-def train_runs(config: str, seeds: list[int], parallel: int, sets: list[str], run_dir: Path) -> dict:
-    """Every (variant, seed) as its own train.py process, `parallel` at a time.
-    Returns {(variant, seed): {"run": path, "minutes": m}}."""
-    jobs = [(v, s) for v in VARIANTS for s in seeds]
+def train_runs(jobs: list[tuple], parallel: int, sets: list[str], run_dir: Path) -> dict:
+    """Every job (key, run name, config, overrides) as its own train.py process, `parallel` at
+    a time. Returns {key: {"run": path, "minutes": m}}."""
+    from config import load_config
+
+    jobs = list(jobs)
     threads = 1 if parallel > 1 else 2
     # vLLM CPU reserves host RAM from gpu_memory_utilization; two runs at 0.3 run out of 24 GB
     memory = ["rollout.gpu_memory_utilization=0.1"] if parallel > 1 else []
@@ -50,15 +52,25 @@ def train_runs(config: str, seeds: list[int], parallel: int, sets: list[str], ru
     done: dict = {}
     while jobs or running:
         while jobs and len(running) < parallel:
-            variant, seed = jobs.pop(0)
-            name = f"{'nomask' if VARIANTS[variant] else 'grpo'}-seed{seed}"
-            overrides = [f"train.seed={seed}", f"train.name={name}", f"train.threads={threads}",
-                         f"train.run_dir={run_dir}", *memory, *VARIANTS[variant], *sets]  # fmt: skip
+            key, name, config, extra = jobs.pop(0)
+            overrides = [f"train.name={name}", f"train.threads={threads}", f"train.run_dir={run_dir}", *memory,
+                         *extra, *sets]  # fmt: skip
             cmd = [sys.executable, "train.py", "--config", config, *sum((["--set", o] for o in overrides), [])]
+            earlier = sorted(run_dir.glob(f"{name}-*/checkpoints/step_*"), key=lambda p: int(p.name.split("_")[1]))
+            if earlier:  # the same --run-dir again: keep finished runs, resume killed ones
+                steps = load_config(config, [*extra, *sets]).train.steps
+                if int(earlier[-1].name.split("_")[1]) >= steps:
+                    run = earlier[-1].parents[1]
+                    wall = float((run / "wall_minutes.txt").read_text()) if (run / "wall_minutes.txt").exists() else 0.0
+                    done[key] = {"run": run, "minutes": wall, "earlier": True}
+                    print(f"  {name}: finished earlier ({run})", flush=True)
+                    continue
+                cmd = [sys.executable, "train.py", "--resume", str(earlier[-1].parents[1]),
+                       *sum((["--set", o] for o in (f"train.threads={threads}", *memory)), [])]  # fmt: skip
             env = os.environ | {"OMP_NUM_THREADS": str(threads)}
             log = open(run_dir / f"{name}.log", "w")
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-            running[(variant, seed)] = (proc, time.time(), name, log)
+            running[key] = (proc, time.time(), name, log)
             print(f"  started {name}", flush=True)
         time.sleep(2)
         for key, (proc, t0, name, log) in list(running.items()):
@@ -73,6 +85,7 @@ def train_runs(config: str, seeds: list[int], parallel: int, sets: list[str], ru
                 raise RuntimeError(f"training run {name} failed (log {run_dir / (name + '.log')}):\n{tail}")
             run = max(run_dir.glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
             done[key] = {"run": run, "minutes": (time.time() - t0) / 60}
+            (run / "wall_minutes.txt").write_text(f"{done[key]['minutes']:.2f}")  # kept when a rerun reuses it
             print(f"  finished {name} in {done[key]['minutes']:.1f} min", flush=True)
     return done
 
@@ -149,7 +162,12 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="eval.py reproduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--world", default="tiny", choices=["tiny"], help="the embedded world to reproduce on")
+    parser.add_argument(
+        "--world",
+        default="tiny",
+        choices=["tiny", "papers"],
+        help="tiny: Search-R1 in miniature (this file); papers: every paper's effect (tiny_papers.py)",
+    )
     parser.add_argument("--config", default="configs/tiny.yaml", help="training config of the GRPO runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed of each run")
     parser.add_argument("--parallel", type=int, default=2, help="training runs at once (one torch thread each)")
@@ -157,10 +175,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="extra training overrides, e.g. train.steps=10")  # fmt: skip
     parser.add_argument("--out", default="results/tiny.md", help="the markdown report")
     parser.add_argument("--run-dir", default="", help="where runs go (default runs/reproduce-<time>)")
-    args = parser.parse_args(argv)
-    from config import load_config
+    world = argparse.ArgumentParser(add_help=False)
+    world.add_argument("--world", default="tiny")
+    if world.parse_known_args(argv)[0].world == "papers":  # its own options and --help (tiny_papers.py)
+        from tiny_papers import main as papers_main
 
-    cfg = load_config(args.config, args.set)  # a bad config or override fails here, before any work
+        return papers_main(argv)
+    args = parser.parse_args(argv)
+    from config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.set)  # a bad config or override fails here, before any work
+    except ConfigError as e:
+        parser.error(str(e))
     t_start = time.time()
     run_dir = Path(args.run_dir or f"runs/reproduce-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     timings["world + SFT start"] = time.time() - t0
     print(f"2/4 training {len(VARIANTS) * len(args.seeds)} runs, {args.parallel} at a time ...", flush=True)
     t0 = time.time()
-    done = train_runs(args.config, args.seeds, args.parallel, args.set, run_dir)
+    jobs = [((v, s), f"{'nomask' if VARIANTS[v] else 'grpo'}-seed{s}", args.config, [f"train.seed={s}", *VARIANTS[v]])
+            for v in VARIANTS for s in args.seeds]  # fmt: skip
+    done = train_runs(jobs, args.parallel, args.set, run_dir)
     timings["training"] = time.time() - t0
     print("3/4 evaluating on the held-out test questions ...", flush=True)
     t0 = time.time()

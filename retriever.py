@@ -571,14 +571,17 @@ def format_hits(hits: list[dict]) -> str:
 def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int], list[list[dict]]]:
     """`(queries, k) -> hits per query`, from config: `retriever.url` (an HTTP server speaking
     Search-R1's /retrieve), else `retriever.index` (a built index dir), else the default index
-    next to the corpus, built on first use."""
+    next to the corpus, built on first use. In process, queries with advanced operators
+    (`site:tinypedia.org`, `-term`, ...) are filtered as websearch.py does."""
     if rcfg.url:
         from server import http_retrieve
 
         return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=rcfg.retries)
     index_dir = rcfg.index or ensure_index(corpus_path, rcfg.method, rcfg.model, rcfg.index_factory)
     index = load_index(index_dir, search_params=rcfg.search_params, bm25_backend=rcfg.bm25_backend)
-    return lambda queries, k: search(index, queries, k)
+    from websearch import operator_search  # site:, -term, ... honoured (WebFilter's operators)
+
+    return lambda queries, k: operator_search(index, queries, k)
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from pathlib import Path
 
@@ -275,15 +276,19 @@ def world_search_tool(cfg: Config, world_path: Path):
 
 def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str, str]]]:
     """Teacher trajectories for every training question, with real BM25 observations."""
-    from world import generate_world, read_jsonl, teacher_segments
+    from world import Habits, generate_world, read_jsonl, teacher_segments
 
     world = generate_world(cfg.world)  # deterministic: the same world as on disk
     countries, cities = world.countries, list(world.city_country)
     rng = random.Random(cfg.world.seed + 1)
     confidence_rng = random.Random(cfg.world.seed + 2)  # its own stream: the trajectories stay the same
+    habits = Habits(cfg.sft.p_site, cfg.sft.p_unfaithful_think, random.Random(cfg.world.seed + 3))
     trajectories = []
     for q in tqdm(read_jsonl(world_path / "train.jsonl"), desc="teacher", mininterval=5):
-        segs = teacher_segments(q, tool, rng, countries, cities, cfg.sft.p_guess_second_hop, cfg.sft.p_no_search)
+        segs = teacher_segments(q, tool, rng, countries, cities, cfg.sft.p_guess_second_hop, cfg.sft.p_no_search,
+                                habits)  # fmt: skip
+        if cfg.sft.p_idk and habits.rng.random() < cfg.sft.p_idk:  # BAPO's teacher: IDK at random only
+            segs[-1] = (re.sub(r"<answer>.*</answer>", "<answer> I don't know</answer>", segs[-1][0]), segs[-1][1])
         if cfg.sft.confidence == "random":  # Deliberative Searcher's format, stated at random
             tag = f"<confidence> {confidence_rng.randint(1, 10)}</confidence><answer>"
             segs[-1] = (segs[-1][0].replace("<answer>", tag), segs[-1][1])

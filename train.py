@@ -69,6 +69,8 @@ from constraints import state as constraint_state
 from data import data_paths, ensure_policy, load_questions, make_search_fn
 from distributed import all_reduce, balanced_micro_batches, clip_grad_norm, make_optimizer
 from engine import load_policy, load_tokenizer, make_engine
+from judge import make_judge
+from metrics import paper_metrics
 from rewards import BapoState, bapo_resample_groups, score
 from rollout import rollout_batch
 from sft import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
@@ -502,6 +504,9 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             critic = shard_critic(critic, cfg)
         critic_opt = critic_optimizer(critic, cfg.train.critic_lr)
     bapo = BapoState(patience=cfg.train.bapo_patience) if "bapo" in cfg.train.reward else None
+    judge = make_judge(cfg.train.judge, cfg.train.judge_model, on_failure="zero") if cfg.train.judge else None
+    # validation always measures faithfulness; on the tiny world the rule judge does it for any run
+    measure_judge = judge or (make_judge("rule") if not cfg.data.corpus else None)
     rng = random.Random(cfg.train.seed)  # the question order
     order: list[int] = []
     step0 = 0
@@ -520,8 +525,9 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     def run_eval() -> dict:
         val_records: list[dict] = []
         ev = evaluate(engine, tokenizer, val_subset, search_fn, cfg, val_records)
-        score(val_records, cfg.train.reward, reward_params(constraints, cfg.train.reward_params))
-        return ev | {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
+        score(val_records, cfg.train.reward, reward_params(constraints, cfg.train.reward_params), judge)
+        ev |= {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
+        return ev | paper_metrics(val_records, measure_judge)
 
     if step0 == 0 and cfg.train.eval_every > 0 and main_proc:
         ev = run_eval()
@@ -553,7 +559,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             params = reward_params(constraints, cfg.train.reward_params)
             if bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
                 params |= {"stage": bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
-            score(records, cfg.train.reward, params)
+            score(records, cfg.train.reward, params, judge)
             apply_constraints(constraints, records)
             for c in constraints:
                 if c.measure == "train":

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from retriever import Index, bm25_tokenize, get_passage, iter_passages, search_rows, title_and_text
+from retriever import Index, bm25_tokenize, get_passage, iter_passages, search, search_rows, title_and_text
 
 SNIPPET_CHARS = 200
 
@@ -195,6 +195,19 @@ def web_search(index: Index, query: str, k: int = 5) -> dict:
             "results": [],
             "error": "the query has no search words, only operators or exclusions; add words to search for",
         }
+    out = []
+    for score, doc in filtered_hits(index, q, k):
+        title, body = title_and_text(doc)
+        out.append({
+            "id": str(doc["id"]), "title": title, "url": doc.get("url", ""), "date": doc.get("date", ""),
+            "domain": _domain_of(doc), "snippet": _snippet(body, q.positive), "score": score,
+        })  # fmt: skip
+    return {"query": query, "results": out, "error": None}
+
+
+def filtered_hits(index: Index, q: ParsedQuery, k: int) -> list[tuple[float, dict]]:
+    """The top k (score, passage) of the index's ranking on q's positive words that pass every
+    operator, widening the candidate pool until k pass or the whole corpus has been seen."""
     n = len(index.corpus)
     text = " ".join(q.positive)
     pool, results, seen = max(50, 10 * k), [], set()
@@ -205,18 +218,31 @@ def web_search(index: Index, query: str, k: int = 5) -> dict:
             seen.add(row)
             doc = get_passage(index.corpus, row)
             if matches(q, doc):
-                results.append((row, score, doc))
+                results.append((score, doc))
         if len(results) >= k or pool >= n:
             break
         pool *= 8
-    out = []
-    for _row, score, doc in sorted(results, key=lambda r: -r[1])[:k]:
-        title, body = title_and_text(doc)
-        out.append({
-            "id": str(doc["id"]), "title": title, "url": doc.get("url", ""), "date": doc.get("date", ""),
-            "domain": _domain_of(doc), "snippet": _snippet(body, q.positive), "score": score,
-        })  # fmt: skip
-    return {"query": query, "results": out, "error": None}
+    return sorted(results, key=lambda r: -r[0])[:k]
+
+
+def operator_search(index: Index, queries: list[str], k: int) -> list[list[dict]]:
+    """retriever.search's hits, with the operators of each query honoured (site:, -term, ...).
+
+    The search tool of the tiny world's Search-R1 tags: `<search> Tavi Morek born
+    site:tinypedia.org</search>` returns only tinypedia passages. A query without operators is
+    passed to retriever.search unchanged (same hits as before operators existed).
+    """
+    from rewards import SOURCE_OPERATORS
+
+    plain = [i for i, query in enumerate(queries) if not SOURCE_OPERATORS.search(query)]
+    out: list[list[dict]] = [[] for _ in queries]
+    for i, hits in zip(plain, search(index, [queries[i] for i in plain], k)):
+        out[i] = hits
+    for i, query in enumerate(queries):
+        q = parse_query(query)
+        if i not in plain and q.positive:  # only operators: no hits ("No results.")
+            out[i] = [{"document": doc, "score": score} for score, doc in filtered_hits(index, q, k)]
+    return out
 
 
 def format_web_results(res: dict) -> str:

@@ -35,6 +35,7 @@ import argparse
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +128,9 @@ def generate_world(cfg: WorldConfig) -> World:
     for i, country in enumerate(countries):
         corpus.append(_passage(f"k{i}", country, f"{country} is a country.", rng))
     corpus += _unreliable_passages(cfg, people, city_country)
+    misinfo = _misinfo_people(cfg, people)
+    corpus += [_misinfo_passage(f"m{i}", person, wrong, misinfo_rng) for i, (person, wrong, misinfo_rng) in
+               enumerate(_with_rng(cfg, misinfo, people, list(city_country)))]  # fmt: skip
 
     person_id = {p: f"p{i}" for i, p in enumerate(people)}
     city_id = {c: f"c{i}" for i, c in enumerate(city_country)}
@@ -139,21 +143,79 @@ def generate_world(cfg: WorldConfig) -> World:
         "train": order[n_held:],
     }
     questions: dict[str, list[dict]] = {}
+    ghost_rng = random.Random(cfg.seed + 104729)  # its own stream: the rest of the world is unchanged
+    taken_people = set(people)
     for split, persons in pools.items():
         records = []
         for person in persons:
             city = people[person]
             gold = [person_id[person], city_id[city]]  # the passages that answer it, in hop order
-            records.append(_question(f"{split}-1hop-{len(records)}", "1hop", person, city, city, gold[:1]))
-            records.append(_question(f"{split}-2hop-{len(records)}", "2hop", person, city, city_country[city], gold))
+            category = "misinfo" if person in misinfo else None
+            records.append(_question(f"{split}-1hop-{len(records)}", "1hop", person, city, city, gold[:1], category))
+            records.append(_question(f"{split}-2hop-{len(records)}", "2hop", person, city, city_country[city], gold,
+                                     category))  # fmt: skip
+        if cfg.unanswerable_frac > 0:  # people the corpus never mentions (BAPO: the answer is "I don't know")
+            for _ in range(round(cfg.unanswerable_frac * len(persons))):
+                ghost = f"{ghost_rng.choice(first)} {ghost_rng.choice(last)}"
+                while ghost in taken_people:
+                    ghost = f"{ghost_rng.choice(first)} {ghost_rng.choice(last)}"
+                taken_people.add(ghost)
+                city = ghost_rng.choice(cities)
+                for kind, answer in (("1hop", city), ("2hop", city_country[city])):
+                    records.append(_question(f"{split}-{kind}-{len(records)}", kind, ghost, city, answer, [],
+                                             "unanswerable"))  # fmt: skip
+        if cfg.unanswerable_frac > 0 or cfg.misinfo_frac > 0:
+            ghost_rng.shuffle(records)  # a max_questions prefix of the split then holds every category
         questions[split] = records
     return World(corpus, questions, people, city_country, countries)
 
 
-def _question(qid: str, kind: str, person: str, city: str, answer: str, gold_ids: list[str]) -> dict:
+def _misinfo_people(cfg: WorldConfig, people: dict[str, str]) -> set[str]:
+    rng = random.Random(cfg.seed + 15485863)
+    return set(rng.sample(sorted(people), round(cfg.misinfo_frac * len(people)))) if cfg.misinfo_frac > 0 else set()
+
+
+def _with_rng(cfg: WorldConfig, misinfo: set[str], people: dict[str, str], cities: list[str]):
+    """(person, wrong city, rng) for each misinformed person, in a fixed order."""
+    rng = random.Random(cfg.seed + 32452843)
+    for person in sorted(misinfo):
+        yield person, rng.choice([c for c in cities if c != people[person]]), rng
+
+
+def _misinfo_passage(pid: str, person: str, wrong: str, rng: random.Random) -> dict:
+    """A wrong fact on an unreliable domain, worded to outrank the reliable passage on "P born"
+    (the name and "born" repeated, BM25's term frequency). Only site:tinypedia.org avoids it."""
+    text = f"{person} born in {wrong}. Fans of {person} say {person} was born in the city of {wrong}."
+    return _passage(pid, f"{person} born", text, rng, rng.choice(UNRELIABLE_DOMAINS))
+
+
+def _question(qid: str, kind: str, person: str, city: str, answer: str, gold_ids: list[str],
+              category: str | None = None) -> dict:  # fmt: skip
     text = f"Where was {person} born?" if kind == "1hop" else f"In which country was {person} born?"
     meta = {"type": kind, "person": person, "city": city, "gold_ids": gold_ids, "data_source": "tiny"}
+    if category:  # "unanswerable" or "misinfo"; plain questions have none (their records are unchanged)
+        meta["category"] = category
     return {"id": qid, "question": text, "golden_answers": [answer], "metadata": meta}
+
+
+@dataclass
+class Habits:
+    """The teacher's imperfections that the papers' RL fixes (all off for configs/tiny.yaml).
+
+    p_site: restrict the source with site:tinypedia.org (WebFilter: "uses site: rarely").
+    p_unfaithful_think: the think after the information ignores it (VERITAS).
+    The other two are applied to the finished trajectory (sft.teacher_examples): a random
+    confidence (Deliberative Searcher) and a random "I don't know" (BAPO: never when it should).
+    """
+
+    p_site: float = 0.0
+    p_unfaithful_think: float = 0.0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+
+UNFAITHFUL_THINK = "I know the answer."  # names nothing it read: the rule judge's 0 (judge.py)
+_BORN = re.compile(r"([A-Z]\w*(?: [A-Z]\w*)*) was born in the city of (\w+)\.")
+_IN_COUNTRY = re.compile(r"(\w+) is a city in the country of (\w+)\.")
 
 
 def teacher_segments(
@@ -164,6 +226,7 @@ def teacher_segments(
     cities: list[str],
     p_guess_second_hop: float,
     p_no_search: float,
+    habits: Habits | None = None,
 ) -> list[tuple[str, str]]:
     """A scripted trajectory as (text, role) segments in Search-R1's format.
 
@@ -180,44 +243,60 @@ def teacher_segments(
       <think>P was born in the city of C. I need the country of C.</think><search>C country</search>
       \\n<information>Doc 1(Title: C) C is a city in the country of K. ...</information>\\n
       <think>C is a city in the country of K.</think><answer>K</answer>
+
+    On an unanswerable or misinformation question (world extensions) the teacher believes what
+    it reads: another person's city, or the unreliable passage's wrong one (unless it happened
+    to use site:). `habits` adds the papers' imperfections (Habits).
     """
+    habits = habits or Habits()
     meta = question["metadata"]
     person, kind = meta["person"], meta["type"]
     if rng.random() < p_no_search:
         guess = rng.choice(countries if kind == "2hop" else cities)
         return [(f"<think> I guess {person} was born in {guess}.</think><answer> {guess}</answer>", "policy")]
+    site = f" site:{RELIABLE_DOMAIN}" if habits.p_site and habits.rng.random() < habits.p_site else ""
+    unfaithful = bool(habits.p_unfaithful_think) and habits.rng.random() < habits.p_unfaithful_think
+    believes_passage = "category" in meta  # reads the fact off the hit instead of knowing it
     goal = "the country where" if kind == "2hop" else "where"
-    segs = [(f"<think> I need {goal} {person} was born.</think><search> {person} born</search>", "policy")]
-    segs.append((search(f"{person} born"), "obs"))
+    segs = [(f"<think> I need {goal} {person} was born.</think><search> {person} born{site}</search>", "policy")]
+    obs = search(f"{person} born{site}")
+    segs.append((obs, "obs"))
     city = meta["city"]
     fact = f"{person} was born in the city of {city}."  # the passage's own words (see above)
+    if believes_passage:
+        m = _BORN.search(obs)
+        city = m.group(2) if m else rng.choice(cities)  # nothing found: it guesses all the same
+        fact = m.group(0) if m else f"{person} was born in the city of {city}."
+
+    def think(text: str) -> str:  # after information: restate it, or (unfaithful) ignore it
+        return f"<think> {UNFAITHFUL_THINK if unfaithful else text}</think>"
+
     if kind == "1hop":
-        segs.append((f"<think> {fact}</think><answer> {city}</answer>", "policy"))
+        segs.append((f"{think(fact)}<answer> {city}</answer>", "policy"))
         return segs
     if rng.random() < p_guess_second_hop:
         guess = rng.choice(countries)
         segs.append((f"<think> {fact} It is in the country of {guess}.</think><answer> {guess}</answer>", "policy"))
         return segs
-    segs.append(
-        (
-            f"<think> {fact} I need the country of {city}.</think><search> {city} country</search>",
-            "policy",
-        )
-    )
-    segs.append((search(f"{city} country"), "obs"))
+    segs.append((f"{think(f'{fact} I need the country of {city}.')}<search> {city} country{site}</search>", "policy"))
+    obs = search(f"{city} country{site}")
+    segs.append((obs, "obs"))
     country = question["golden_answers"][0]
-    segs.append((f"<think> {city} is a city in the country of {country}.</think><answer> {country}</answer>", "policy"))
+    if believes_passage:
+        m = _IN_COUNTRY.search(obs)
+        country = m.group(2) if m else rng.choice(countries)
+    segs.append((f"{think(f'{city} is a city in the country of {country}.')}<answer> {country}</answer>", "policy"))
     return segs
 
 
 def world_key(cfg: Config) -> str:
     """Cache key: everything that changes the built world, tokenizer or SFT policy."""
     parts = {
-        "world": vars(cfg.world) | {"cache_dir": None},
+        # options added later are left out while unset, so older worlds keep their keys
+        "world": {k: v for k, v in vars(cfg.world).items() if k not in LATER_OPTIONS or v} | {"cache_dir": None},
         "model": vars(cfg.model),
-        # probe_every is a diagnostic (it changes no weights); an unset confidence keeps the key
-        # of worlds built before the option existed
-        "sft": {k: v for k, v in vars(cfg.sft).items() if k != "confidence" or v} | {"probe_every": None},
+        # probe_every is a diagnostic (it changes no weights)
+        "sft": {k: v for k, v in vars(cfg.sft).items() if k not in LATER_OPTIONS or v} | {"probe_every": None},
         "topk": cfg.retriever.topk,
         "max_obs_tokens": cfg.rollout.max_obs_tokens,
         "prompt": cfg.rollout.prompt_template,
@@ -230,6 +309,7 @@ def world_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
+LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac")
 FORMAT_VERSION = 3  # bump when the generator, teacher or prompt changes what gets built
 
 

@@ -315,7 +315,7 @@ def test_deliberative_good_trajectory_search_read_confidence(bpe):
     assert (p.answer, p.confidence) == ("Velor", 9)
     m = metrics.behaviour_metrics([r])
     assert (m["searches"], m["reads"], m["turns"]) == (1.0, 1.0, 3.0)
-    out = score([r], "deliberative")[0]  # runs; see the xfail below for its format flag
+    out = score([r], "deliberative")[0]
     assert out["reward_components"]["acc"] == 1.0 and out["reward_components"]["confidence"] == 9.0
 
 
@@ -327,11 +327,6 @@ def test_deliberative_final_confidence_only_scores_full_reward(bpe):
     assert out["reward_components"]["format"] == 1.0 and out["reward"] == pytest.approx(1.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="answers._structure_ok allows <confidence> only before/after the final "
-    "answer, so step confidences (Deliberative Searcher §2.2) fail the reward's format check",
-)
 def test_deliberative_reward_accepts_step_confidences(bpe):
     turns = ["<think> x</think><confidence> 3 </confidence><search> Tavi Morek</search>",
              "<think> Velor</think><confidence> 9 </confidence><answer> Velor </answer>"]  # fmt: skip
@@ -443,9 +438,10 @@ def test_malformed_action_gets_invalid_observation_and_costs_a_turn(bpe, case):
     assert r["invalid_actions"][0]["turn"] == 1 and r["tool_calls"] == [] and r["num_searches"] == 0
     assert web.calls == ([("read", ["p99"])] if case == "read_missing_id" else [])  # nothing else ran
     # the parser the rewards use also sees the damage where it can: a call that is not well-formed
-    # JSON with queries, an answer followed by more turns, a step confidence; an empty search or
-    # read block followed by an observation is a well-formed step (the observation told it off)
-    assert parsed(r).format_ok == (case in ("read_empty", "search_empty", "bapo_search_empty"))
+    # JSON with queries, an answer followed by more turns, a confidence outside 1-10; an empty
+    # search or read block, or a read of a missing id, followed by an observation is a well-formed
+    # step (the observation told it off)
+    assert parsed(r).format_ok == (case in ("read_empty", "search_empty", "bapo_search_empty", "read_missing_id"))
     out = score([r], REWARD[protocol])[0]
     if not parsed(r).format_ok:
         assert out["reward"] == -1.0 if protocol in ("webfilter", "bapo") else out["reward_components"]["format"] == 0

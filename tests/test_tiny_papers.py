@@ -1,0 +1,240 @@
+"""The papers' tiny world (issue 7): unanswerable and misinformation questions, the teacher's
+per-paper flaws, operator-aware search, the rule judge, config bases, per-category metrics, and
+`eval.py reproduce --world papers` end to end on a micro version (real SFT, vLLM, training runs)."""
+
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from config import ConfigError, WorldConfig, load_config  # noqa: E402
+from judge import RuleJudge, entities, make_judge  # noqa: E402
+from world import Habits, generate_world, teacher_segments, world_key, write_jsonl  # noqa: E402
+
+EXT = dict(seed=5, n_people=600, n_cities=40, n_countries=8, n_val=40, n_test=40, unanswerable_frac=0.25,
+           misinfo_frac=0.2)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ext(tmp_path_factory):
+    """(world, operator-aware BM25 search, index) of a small extended world."""
+    from retriever import build_index, load_index
+    from websearch import operator_search
+
+    world = generate_world(WorldConfig(**EXT))
+    base = tmp_path_factory.mktemp("papers_world")
+    write_jsonl(base / "corpus.jsonl", world.corpus)
+    index = load_index(build_index(base / "corpus.jsonl", base / "bm25", "bm25"))
+    return world, lambda queries, k=1: operator_search(index, queries, k), index
+
+
+def test_extensions_off_leave_every_older_world_and_its_cache_key_unchanged():
+    plain, off = generate_world(WorldConfig(seed=1, n_people=200)), generate_world(
+        WorldConfig(seed=1, n_people=200, unanswerable_frac=0.0, misinfo_frac=0.0))  # fmt: skip
+    assert json.dumps([plain.corpus, plain.questions]) == json.dumps([off.corpus, off.questions])
+    assert not any("category" in q["metadata"] for qs in plain.questions.values() for q in qs)
+    # the cached SFT starts of the shipped configs stay valid (results/tiny.md, the Lagrangian runs)
+    assert world_key(load_config(ROOT / "configs/tiny.yaml")) == "5455102d6279"
+    assert world_key(load_config(ROOT / "configs/tiny_lagrangian.yaml")) == "54354768f78a"
+
+
+def test_unanswerable_people_are_absent_from_the_corpus(ext):
+    world, *_ = ext
+    text = " ".join(p["contents"] for p in world.corpus)
+    for qs in world.questions.values():
+        ghosts = {q["metadata"]["person"] for q in qs if q["metadata"].get("category") == "unanswerable"}
+        people = {q["metadata"]["person"] for q in qs if q["metadata"].get("category") != "unanswerable"}
+        assert len(ghosts) == round(0.25 * len(people))
+        assert ghosts and not ghosts & set(world.people)
+        assert not any(re.search(rf"\b{g}\b", text) for g in ghosts)  # whole words: "Ded Zelap" vs "Ded Zelapo"
+    kinds = [q["metadata"].get("category", "plain") for q in world.questions["val"][:40]]
+    assert len(set(kinds)) == 3  # shuffled: a max_questions prefix holds every category
+
+
+def test_misinformation_outranks_the_truth_unless_the_source_is_restricted(ext):
+    world, search, _ = ext
+    qs = [q for q in world.questions["test"] if q["metadata"]["type"] == "1hop"]
+    for q in qs:
+        person, city, cat = q["metadata"]["person"], q["metadata"]["city"], q["metadata"].get("category")
+        (plain,) = search([f"{person} born"])
+        (site,) = search([f"{person} born site:tinypedia.org"])
+        top, top_site = plain[0]["document"] if plain else None, site[0]["document"] if site else None
+        if cat == "misinfo":
+            assert top["domain"] != "tinypedia.org" and f"city of {city}." not in top["contents"]
+            assert top_site["domain"] == "tinypedia.org" and f"city of {city}." in top_site["contents"]
+        elif cat == "unanswerable":
+            assert top is None or person not in top["contents"]
+            assert top_site is None  # every word must occur: nothing on tinypedia names a ghost
+        else:
+            assert top["domain"] == "tinypedia.org" and f"city of {city}." in top["contents"]
+    assert sum(q["metadata"].get("category") == "misinfo" for q in qs) >= 5
+
+
+def test_operator_search_leaves_plain_queries_alone_and_never_crashes(ext):
+    from retriever import search as plain_search
+
+    _, search, index = ext
+    queries = ["Tavi born", "", "site:tinypedia.org", '"was born" -site:tinypedia.org Kasol', "NOT NOT"]
+    out = search(queries, 3)
+    assert len(out) == 5 and out[1] == [] and out[2] == []  # only operators: no hits, no error
+    assert all(h["document"]["domain"] != "tinypedia.org" for h in out[3])
+    plain = plain_search(index, ["Tavi born"], 3)[0]  # a plain query: exactly retriever.search's hits
+    assert [h["document"]["id"] for h in out[0]] == [h["document"]["id"] for h in plain] and plain
+
+
+def test_teacher_has_each_papers_flaw_when_asked(ext):
+    world, search, _ = ext
+    tool = lambda q: "\n".join(  # noqa: E731
+        f"Doc {i}(Title: {h['document']['contents'].splitlines()[0][1:-1]}) {h['document']['contents'].splitlines()[1]}"
+        for i, h in enumerate(search([q])[0], 1)) or "No results."  # fmt: skip
+    countries, cities = world.countries, list(world.city_country)
+    qs = world.questions["train"]
+    always = Habits(p_site=1.0, p_unfaithful_think=1.0, rng=random.Random(0))
+    for q in qs[:60]:
+        text = "".join(t for t, _ in teacher_segments(q, tool, random.Random(1), countries, cities, 0.0, 0.0, always))
+        assert text.count("site:tinypedia.org") == text.count("<search>") >= 1
+        assert text.count("<think> I know the answer.</think>") == text.count("<search>")
+    never = Habits(rng=random.Random(0))
+    right = {"misinfo": 0, "unanswerable": 0, None: 0}
+    total = dict.fromkeys(right, 0)
+    for q in qs:
+        segs = teacher_segments(q, tool, random.Random(2), countries, cities, 0.0, 0.0, never)
+        text = "".join(t for t, _ in segs)
+        assert "site:" not in text and "I know the answer" not in text
+        cat = q["metadata"].get("category")
+        total[cat] += 1
+        right[cat] += text.endswith(f"<answer> {q['golden_answers'][0]}</answer>")
+    # it believes what it reads: right on plain questions, fooled by misinformation, and answers
+    # unanswerable questions anyway (a ghost's city only by a rare coincidence)
+    assert right[None] == total[None] and right["misinfo"] <= 0.2 * total["misinfo"]
+    assert right["unanswerable"] <= 0.3 * total["unanswerable"] and total["unanswerable"] > 20
+
+
+def test_rule_judge_rules_and_their_use_in_the_rewards():
+    judge = make_judge("rule")
+    assert isinstance(judge, RuleJudge) and "rule" in judge.model
+    info = "Doc 1(Title: Tavi Morek) Tavi Morek was born in the city of Velor."
+    cases = [
+        ("info_think", dict(info=info, think="Tavi Morek was born in the city of Velor."), 1.0),
+        ("info_think", dict(info=info, think="I know the answer."), 0.0),
+        ("info_think", dict(info=info, think="Kesh is a city in the country of Oru."), 0.0),
+        ("think_search", dict(think="I need the country of Velor.", search="Velor country"), 1.0),
+        ("think_search", dict(think="I know the answer.", search="Velor country"), 0.0),
+        (
+            "syntax",
+            dict(
+                question="Where was Tavi Morek born?", queries=["Tavi Morek born site:tinypedia.org"], evidence=[info]
+            ),
+            1.0,
+        ),  # fmt: skip
+        ("syntax", dict(question="Where was Tavi Morek born?", queries=["Tavi Morek born"], evidence=[info]), 0.0),
+        ("answer", dict(question="q", answer="the Velor.", golden=["Velor"]), 1.0),
+        ("answer", dict(question="q", answer="Kesh", golden=["Velor"]), 0.0),
+    ]
+    assert judge.verdicts([judge.prompt(k, **f) for k, f, _ in cases]) == [v for *_, v in cases]
+    assert entities("I know the answer. Doc 1(Title: x)") == set()
+    with pytest.raises(ValueError, match="no rule for 'bogus'"):
+        judge.prompt("bogus")
+    from metrics import compute_metrics
+    from rewards import score
+
+    faithful = f"<think> a</think><search> Tavi Morek born</search><information>{info}</information>"
+    recs = [{"response": faithful + "<think> Tavi Morek was born in the city of Velor.</think><answer> Velor</answer>",
+             "golden_answers": ["Velor"], "question": "Where was Tavi Morek born?"},
+            {"response": faithful + "<think> I know the answer.</think><answer> Velor</answer>",
+             "golden_answers": ["Velor"], "question": "Where was Tavi Morek born?"}]  # fmt: skip
+    out = score([dict(r) for r in recs], "veritas", judge=judge)
+    assert [r["reward_components"]["info_think"] for r in out] == [1.0, 0.0]
+    assert out[0]["reward"] > out[1]["reward"]
+    assert compute_metrics(recs, judge=judge)["info_think"] == 0.5
+    site = dict(
+        recs[0], response=recs[0]["response"].replace("Morek born</search>", "Morek born site:tinypedia.org</search>")
+    )
+    wf = score([site, dict(recs[0])], "webfilter", judge=judge)
+    assert [r["reward_components"]["c"] for r in wf] == [1.0, 0.0] and wf[0]["reward"] > wf[1]["reward"]
+
+
+def test_config_base_inherits_and_bad_bases_name_the_file(tmp_path):
+    bapo = load_config(ROOT / "configs/tiny_bapo.yaml")
+    papers = load_config(ROOT / "configs/tiny_papers.yaml")
+    assert bapo.train.reward == "bapo" and papers.train.reward == "em"
+    assert (bapo.world, bapo.sft, bapo.rollout) == (papers.world, papers.sft, papers.rollout)
+    fixed = load_config(ROOT / "configs/tiny_deliberative_fixed.yaml")  # a base of a base
+    assert fixed.train.constraints[0]["fixed_lambda"] == 0.1 and fixed.train.reward == "deliberative"
+    (tmp_path / "a.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"missing\.yaml.*the base of"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text("base: c.yaml\n")
+    (tmp_path / "c.yaml").write_text("base: b.yaml\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(tmp_path / "b.yaml")
+    (tmp_path / "d.yaml").write_text(
+        "base: c.yaml\ntrain: {lr_rat: 1}\n".replace("c.yaml", str(ROOT / "configs/tiny_papers.yaml"))
+    )
+    with pytest.raises(ConfigError, match="train.lr_rat"):
+        load_config(tmp_path / "d.yaml")
+    with pytest.raises(ConfigError, match="rollout.protocol"):
+        load_config(None, ["rollout.protocol=serach_r1"])
+
+
+def test_summary_splits_the_categories():
+    from eval import summarize
+
+    def rec(cat, answer, query="P born"):
+        meta = {"type": "1hop"} | ({"category": cat} if cat else {})
+        resp = f"<think> a</think><search> {query}</search><information>x</information><think> b</think>"
+        resp += f"<answer> {answer}</answer>"
+        return {"response": resp, "golden_answers": ["Velor"], "metadata": meta, "num_searches": 1,
+                "reward_components": {"em": float(answer == "Velor"), "f1": 0.0, "format_ok": 1.0}}  # fmt: skip
+
+    m = summarize([rec(None, "Velor"), rec("misinfo", "Kesh"), rec("misinfo", "Velor", "P born site:tinypedia.org"),
+                   rec("unanswerable", "I don't know"), rec("unanswerable", "Kesh")])  # fmt: skip
+    assert (m["em_plain"], m["em_misinfo"], m["em_answerable"]) == (1.0, 0.5, 2 / 3)
+    assert (m["idk_unanswerable"], m["idk_answerable"], m["operator_misinfo"], m["operator"]) == (0.5, 0.0, 0.5, 0.2)
+
+
+MICRO_PAPERS = [
+    # the micro world of conftest.MICRO with the papers' extensions (world key of its own)
+    "world.n_people=300", "world.n_cities=30", "world.n_countries=6", "world.n_val=20", "world.n_test=20",
+    "model.hidden_size=128", "model.num_heads=2", "model.num_layers=2", "model.intermediate_size=256",
+    "model.vocab_size=700", "sft.steps=250", "sft.batch_tokens=2048", "sft.warmup_steps=20",
+    "rollout.max_model_len=512", "rollout.max_tokens_per_turn=48", "train.questions_per_step=4",
+    "train.group_size=4", "train.steps=2", "train.eval_every=1", "train.save_every=1", "eval.max_questions=0",
+]  # fmt: skip
+
+
+def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
+    import os
+
+    cache = os.environ.get("MICRO_CACHE") or str(tmp_path / "cache")
+    sets = sum((["--set", s] for s in [*MICRO_PAPERS, f"world.cache_dir={cache}"]), [])
+    rows = ["GRPO baseline (EM)", "BAPO", "WebFilter", "Deliberative: Lagrangian"]
+    cmd = [sys.executable, "eval.py", "reproduce", "--world", "papers", "--seeds", "0", "--only", *rows,
+           "--out", str(tmp_path / "papers.md"), "--run-dir", str(tmp_path / "runs"), *sets]  # fmt: skip
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    report = (tmp_path / "papers.md").read_text()
+    assert "## Acceptance (issue 7)" in report and "rule judge" in report
+    for row in rows + ["SFT start"]:
+        assert f"| {row} |" in report
+    data = json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"]
+    webfilter = data["WebFilter seed0"]
+    assert {"operator_use", "em_misinfo", "idk_unanswerable", "info_think", "ds_reliability"} <= set(webfilter)
+    # the runs used what their configs name: the rule judge, BAPO's stage, the Lagrangian
+    metrics = {p.name.split("-seed")[0]: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]
+               for p in (tmp_path / "runs").glob("*-seed0-*")}  # fmt: skip
+    assert metrics["tiny-webfilter"][-1]["reward/judged"] == 1.0
+    assert "bapo_stage" in metrics["tiny-bapo"][-1] and "lambda/reliability" in metrics["tiny-deliberative"][-1]
+    assert "info_think" in metrics["tiny-papers"][0]["eval"]  # every run measures faithfulness
+    for paper in ("searchr1", "deliberative", "bapo", "webfilter", "veritas"):
+        assert (tmp_path / "curves" / f"tiny_papers_{paper}.png").stat().st_size > 10_000
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("finished earlier") == len(rows) and "started" not in again.stdout

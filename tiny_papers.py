@@ -1,0 +1,267 @@
+"""Every paper's effect on the tiny world, from one command: train, evaluate, write
+results/tiny_papers.md with curves.
+
+    python eval.py reproduce --world papers                 # 8 configs x 3 seeds, 2 runs at a time
+    python eval.py reproduce --world papers --seeds 0 --set train.steps=2 --out /tmp/papers.md  # smoke
+
+All runs start from one SFT policy (configs/tiny_papers.yaml, cached in cache/): the tiny world
+with unanswerable and misinformation questions (world.py) and a Search-R1-format teacher that has
+each paper's flaw (world.Habits: random confidence, IDK only at random, site: rarely, a think that
+ignores what it read). Each paper's config changes the reward, nothing else, so every row is
+compared with the plain GRPO baseline (EM reward) from the same start:
+
+  Search-R1              retrieved-token mask vs none (§3.1, Table 4)       tiny_search_r1_nomask.yaml
+  Deliberative Searcher  Lagrangian reliability constraint (§2.1, Alg. 1)  tiny_deliberative.yaml
+                         and its fixed-lambda ablation (§4.3)               tiny_deliberative_fixed.yaml
+  BAPO                   boundary-aware reward + modulator (eq. 3-6, §4.2) tiny_bapo.yaml
+                         and the fixed +0.5-per-IDK ablation                tiny_bapo_fixed.yaml
+  WebFilter              source-restricting reward (eq. 2-8)               tiny_webfilter.yaml
+  VERITAS                info-think process reward (eq. 1)                 tiny_veritas.yaml
+
+WebFilter's and VERITAS's judge is the tiny world's rule judge (judge.RuleJudge), and so is the
+faithfulness measurement of every row: it is not an LLM, and the report says so. Evaluation is
+greedy on the held-out test questions (people no SFT or RL question asked about). `--run-dir`
+of an interrupted call continues it: finished runs are kept, killed ones resume from their last
+checkpoint (reproduce.train_runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from reproduce import ROOT, last_checkpoint, mean_spread, train_runs
+
+BASELINE = "GRPO baseline (EM)"
+RUNS = {  # row -> config
+    BASELINE: "configs/tiny_papers.yaml",
+    "Search-R1: no retrieved-token mask": "configs/tiny_search_r1_nomask.yaml",
+    "Deliberative: Lagrangian": "configs/tiny_deliberative.yaml",
+    "Deliberative: fixed λ = 0.1": "configs/tiny_deliberative_fixed.yaml",
+    "BAPO": "configs/tiny_bapo.yaml",
+    "BAPO: fixed +0.5 per IDK": "configs/tiny_bapo_fixed.yaml",
+    "WebFilter": "configs/tiny_webfilter.yaml",
+    "VERITAS": "configs/tiny_veritas.yaml",
+}
+SFT_ROW = "SFT start"
+# paper -> (rows, [(metric, label)], the validation series of its curve)
+PAPERS = {
+    "Search-R1": ([BASELINE, "Search-R1: no retrieved-token mask"],
+                  [("em", "EM"), ("em_2hop", "EM 2-hop"), ("searches_2hop", "searches / 2-hop q")], "em_2hop"),
+    "Deliberative Searcher": ([BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1"],
+                              [("ds_reliability", "reliability"), ("ds_false_certain", "false-certain"),
+                               ("em", "EM")], "ds_reliability"),
+    "BAPO": ([BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"],
+             [("idk_unanswerable", "IDK rate, unanswerable"), ("idk_answerable", "IDK rate, answerable"),
+              ("em_answerable", "EM, answerable"), ("bapo_reliability", "BAPO reliability")], "idk_unanswerable"),
+    "WebFilter": ([BASELINE, "WebFilter"],
+                  [("operator_use", "operator use"), ("em_misinfo", "EM, misinformation q"), ("em", "EM")],
+                  "operator_use"),
+    "VERITAS": ([BASELINE, "VERITAS"],
+                [("info_think", "info-think faithfulness"), ("think_answer", "think-answer"), ("em", "EM")],
+                "info_think"),
+}  # fmt: skip
+
+
+def values(rows: dict, row: str, key: str) -> list[float]:
+    """The metric of every seed of a row (one value for the SFT start)."""
+    return [per[key] for name, per in rows.items() if name.rsplit(" seed", 1)[0] == row and key in per]
+
+
+def mean(rows: dict, row: str, key: str) -> float:
+    vs = values(rows, row, key)
+    return statistics.mean(vs) if vs else float("nan")
+
+
+def acceptance(rows: dict) -> list[tuple[str, str, bool]]:
+    """Issue 7's acceptance lines, each (paper, claim with its numbers, met?), from the means."""
+    m = lambda row, key: mean(rows, row, key)  # noqa: E731
+    b, lag, bapo, fixed = BASELINE, "Deliberative: Lagrangian", "BAPO", "BAPO: fixed +0.5 per IDK"
+    out = [
+        ("Deliberative Searcher", f"reliability {m(b, 'ds_reliability'):.3f} → {m(lag, 'ds_reliability'):.3f}, "
+         f"false-certain {m(b, 'ds_false_certain'):.3f} → {m(lag, 'ds_false_certain'):.3f}, EM "
+         f"{m(b, 'em'):.3f} → {m(lag, 'em'):.3f} (drop ≤ 0.03)",
+         m(lag, "ds_reliability") > m(b, "ds_reliability") and m(lag, "ds_false_certain") < m(b, "ds_false_certain")
+         and m(lag, "em") >= m(b, "em") - 0.03),
+        ("BAPO", f"IDK on unanswerable {m(bapo, 'idk_unanswerable'):.3f} (≥ 0.5; baseline "
+         f"{m(b, 'idk_unanswerable'):.3f}), EM on answerable {m(b, 'em_answerable'):.3f} → "
+         f"{m(bapo, 'em_answerable'):.3f} (drop ≤ 0.05)",
+         m(bapo, "idk_unanswerable") >= 0.5 and m(bapo, "em_answerable") >= m(b, "em_answerable") - 0.05),
+        ("BAPO ablation", f"fixed reward: IDK on answerable {m(fixed, 'idk_answerable'):.3f} vs BAPO "
+         f"{m(bapo, 'idk_answerable'):.3f}, EM on answerable {m(fixed, 'em_answerable'):.3f} (over-conservative?)",
+         m(fixed, "idk_answerable") > m(bapo, "idk_answerable")),
+        ("WebFilter", f"operator use {m(SFT_ROW, 'operator_use'):.3f} (SFT) / {m(b, 'operator_use'):.3f} (baseline) "
+         f"→ {m('WebFilter', 'operator_use'):.3f} (≥ 0.5), EM on misinformation {m(b, 'em_misinfo'):.3f} → "
+         f"{m('WebFilter', 'em_misinfo'):.3f}",
+         m("WebFilter", "operator_use") >= 0.5 and m("WebFilter", "em_misinfo") > m(b, "em_misinfo")),
+        ("VERITAS", f"info-think {m(b, 'info_think'):.3f} → {m('VERITAS', 'info_think'):.3f}, EM {m(b, 'em'):.3f} → "
+         f"{m('VERITAS', 'em'):.3f} (drop ≤ 0.03)",
+         m("VERITAS", "info_think") > m(b, "info_think") and m("VERITAS", "em") >= m(b, "em") - 0.03),
+        ("Search-R1", f"EM 2-hop with the mask {m(b, 'em_2hop'):.3f}, without "
+         f"{m('Search-R1: no retrieved-token mask', 'em_2hop'):.3f} (the ablation runs; no direction required)",
+         True),
+    ]  # fmt: skip
+    return out
+
+
+def draw_curves(done: dict, out_dir: Path) -> list[Path]:
+    """One PNG per paper: its validation metric against step, every seed of every row it compares
+    (thin), and for the Deliberative Searcher the multiplier lambda beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from plots import read_series
+
+    series = {key: read_series(info["run"]) for key, info in done.items()}
+    paths = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for paper, (rows, _, key) in PAPERS.items():
+        extra = paper == "Deliberative Searcher"
+        fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(10 if extra else 5.5, 3.6), squeeze=False)
+        ax = axes[0][0]
+        for i, row in enumerate(rows):
+            for (r, seed), s in sorted(series.items()):
+                if r == row and f"eval.{key}" in s:
+                    xs, ys = zip(*s[f"eval.{key}"])
+                    ax.plot(xs, ys, color=f"C{i}", alpha=0.8, label=row if seed == min(k[1] for k in done) else None)
+        ax.set(title=f"{paper}: {key} (validation, greedy)", xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        if extra:
+            ax = axes[0][1]
+            for i, row in enumerate(rows[1:], 1):
+                for (r, _), s in sorted(series.items()):
+                    if r == row and "lambda/reliability" in s:
+                        xs, ys = zip(*s["lambda/reliability"])
+                        ax.plot(xs, ys, color=f"C{i}", alpha=0.8)
+                        cs = s.get("constraint/reliability")
+                        if cs:
+                            ax.plot(*zip(*cs), ":", color=f"C{i}", alpha=0.5)
+            ax.axhline(0.9, ls="--", color="grey", lw=0.8)
+            ax.set(title="λ (solid) and training-batch reliability U (dotted); a = 0.9", xlabel="step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"tiny_papers_{paper.split()[0].lower().replace('-', '')}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="eval.py reproduce --world papers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--world", default="papers", choices=["papers"], help="(the papers' tiny world)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed of each run")
+    parser.add_argument("--parallel", type=int, default=2, help="training runs at once (one torch thread each)")
+    parser.add_argument("--only", nargs="+", choices=list(RUNS), metavar="ROW", help="train only these rows")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="overrides for every run, e.g. train.steps=2")  # fmt: skip
+    parser.add_argument("--out", default="results/tiny_papers.md", help="the markdown report")
+    parser.add_argument("--run-dir", default="", help="where runs go (default runs/papers-<time>); reuse to resume")
+    args = parser.parse_args(argv)
+    from config import ConfigError, load_config
+    from judge import make_judge
+
+    try:
+        for config in RUNS.values():  # a bad config or override fails here, before any work
+            load_config(config, args.set)
+    except ConfigError as e:
+        parser.error(str(e))
+    cfg = load_config(RUNS[BASELINE], args.set)
+    t_start = time.time()
+    run_dir = Path(args.run_dir or f"runs/papers-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timings = {}
+    print("1/4 the papers' tiny world and its SFT start (cached after the first time) ...", flush=True)
+    t0 = time.time()
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "world.py", "--config", RUNS[BASELINE], *sum((["--set", s] for s in args.set), [])],
+                   cwd=ROOT, check=True)  # fmt: skip
+    timings["world + SFT start"] = time.time() - t0
+    rows_run = args.only or list(RUNS)
+    jobs = [((row, seed), f"{Path(RUNS[row]).stem.replace('_', '-')}-seed{seed}", RUNS[row], [f"train.seed={seed}"])
+            for row in rows_run for seed in args.seeds]  # fmt: skip
+    print(f"2/4 training {len(jobs)} runs, {args.parallel} at a time ...", flush=True)
+    t0 = time.time()
+    done = train_runs(jobs, args.parallel, args.set, run_dir)
+    timings["training"] = time.time() - t0
+    print("3/4 evaluating on the held-out test questions (rule judge for faithfulness) ...", flush=True)
+    t0 = time.time()
+    from eval import run_eval
+    from world import world_dir
+
+    spec = [(SFT_ROW, world_dir(cfg) / "policy", ["agentic"])]
+    spec += [(f"{row} seed{seed}", last_checkpoint(info["run"]), ["agentic"]) for (row, seed), info in done.items()]
+    test_file = world_dir(cfg) / "test.jsonl"
+    columns = sorted({k for _, ms, _ in PAPERS.values() for k, _ in ms})
+    rows = run_eval(cfg, spec, [test_file], columns, run_dir / "eval", judge=make_judge("rule"))
+    rows = {name: per["test"] for name, per in rows.items()}
+    timings["evaluation"] = time.time() - t0
+    print("4/4 curves and report ...", flush=True)
+    out = Path(args.out)
+    curves = draw_curves(done, out.parent / "curves")
+    timings["total"] = time.time() - t_start
+    write_report(out, args, rows, done, timings, curves, run_dir, test_file)
+    print(out.read_text())
+
+
+def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves: list[Path], run_dir: Path,
+                 test_file: Path) -> None:  # fmt: skip
+    per_run = [info["minutes"] for info in done.values() if info["minutes"]]
+    reused = sum(info["minutes"] for info in done.values() if info.get("earlier"))
+    flags = "".join(f" --seeds {' '.join(map(str, args.seeds))}" for _ in [0] if args.seeds != [0, 1, 2])
+    cmd = "python eval.py reproduce --world papers" + flags + "".join(f" --set {s}" for s in args.set)
+    n = rows[SFT_ROW]["n"]
+    lines = [
+        "# Every paper's effect on the tiny world",
+        "",
+        f"Produced by `{cmd}` on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, in "
+        f"**{timings['total'] / 60:.1f} min** ("
+        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items() if k != "total")
+        + ").",
+        f"Training runs: {len(done)}, {min(per_run, default=0):.1f}–{max(per_run, default=0):.1f} min each, "
+        f"{args.parallel} at a time. Seeds {', '.join(map(str, args.seeds))}: mean ± spread (max − min).",
+        *(
+            [
+                f"Runs kept from an earlier call with the same --run-dir took {reused:.1f} min more (run-minutes, "
+                f"{args.parallel} at a time), not in the total above."
+            ]
+            if reused
+            else []
+        ),
+        "",
+        f"Greedy evaluation on the {n} held-out test questions (`{test_file.name}`: plain, unanswerable and",
+        "misinformation questions, half 1-hop, half 2-hop). All rows start from the same SFT policy;",
+        "each paper's row changes only the reward (configs/tiny_<paper>.yaml). Faithfulness",
+        "(info-think) and WebFilter's c are scored by the **rule judge** (judge.RuleJudge), not an LLM.",
+        "",
+        "## Acceptance (issue 7), from the means below",
+        "",
+        "| paper | measured | met |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {p} | {claim} | {'yes' if ok else '**no**'} |" for p, claim, ok in acceptance(rows)]
+    for paper, (names, metrics, _) in PAPERS.items():
+        lines += ["", f"## {paper}", "", "| row | " + " | ".join(label for _, label in metrics) + " |",
+                  "|---|" + "---|" * len(metrics)]  # fmt: skip
+        for row in [SFT_ROW, *names]:
+            lines.append(f"| {row} | " + " | ".join(mean_spread(values(rows, row, k)) if values(rows, row, k)
+                                                     else "–" for k, _ in metrics) + " |")  # fmt: skip
+    lines += ["", "## Curves", ""] + [f"![{p.stem}](curves/{p.name})" for p in curves]
+    lines += ["", f"Runs, logs, rollouts and the trajectory viewer: `{run_dir}` (not committed).", ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    (run_dir / "tiny_papers.json").write_text(json.dumps({"timings": timings, "rows": rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
