@@ -98,10 +98,14 @@ def read_parquet_questions(path: Path) -> list[dict]:
 
 
 def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
-    """Batched search tool: list of queries -> rendered hits, in process or over HTTP
-    (retriever.open_search). Imports bm25s: call after vLLM has started."""
+    """The rollout's tools. Search-R1 and BAPO protocols: one batched search, queries -> rendered
+    hits, in process or over HTTP (retriever.open_search). Deliberative and WebFilter protocols:
+    {"search", "read"} over websearch.py (sources with url and date, operators, read by id), in
+    process only. Imports bm25s: call after vLLM has started."""
     from retriever import format_hits, open_search
 
+    if cfg.rollout.protocol in ("deliberative", "webfilter"):
+        return make_web_tools(cfg, corpus_path, timings)
     search = open_search(cfg.retriever, corpus_path)
 
     def search_fn(queries: list[str]) -> list[str]:
@@ -111,3 +115,31 @@ def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
         return out
 
     return search_fn
+
+
+def make_web_tools(cfg: Config, corpus_path: Path, timings: dict) -> dict:
+    """protocols.web_tools on the configured index, each call timed into timings["retrieve"]."""
+    from config import ConfigError
+    from protocols import web_tools
+    from retriever import ensure_index, load_index
+
+    r = cfg.retriever
+    if r.url:
+        raise ConfigError(
+            f"rollout.protocol {cfg.rollout.protocol!r} needs an in-process index (operators, read by id); "
+            "retriever.url is a Search-R1 /retrieve server: set retriever.index instead"
+        )
+    index = load_index(r.index or ensure_index(corpus_path, r.method, r.model, r.index_factory),
+                       search_params=r.search_params, bm25_backend=r.bm25_backend)  # fmt: skip
+    tools = web_tools(index, k=r.topk, read_tokens=cfg.rollout.max_obs_tokens)
+
+    def timed(fn):
+        def call(items: list[str]) -> list:
+            t = time.time()
+            out = fn(items)
+            timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
+            return out
+
+        return call
+
+    return {name: timed(fn) for name, fn in tools.items()}

@@ -106,6 +106,8 @@ def rollout_mode(mode: str, engine, tokenizer, questions: list[dict], search_fn,
     elif mode == "cot":
         prefixes = [[("<think>", "prefix")] for _ in questions]
     elif mode == "rag":
+        if rcfg.protocol != "search_r1":  # the forced first search is written in Search-R1's tags
+            raise ValueError(f"eval mode 'rag' is defined for the search_r1 protocol, not {rcfg.protocol!r}")
         hits = search_fn([q["question"] for q in questions])
         prefixes = [[(f"<think> </think><search> {q['question']}</search>", "prefix"), (h, "obs")]
                     for q, h in zip(questions, hits)]  # fmt: skip

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     timings["world + SFT start"] = time.time() - t0
     rows_run = args.only or list(RUNS)
     jobs = [((row, seed), f"{Path(RUNS[row]).stem.replace('_', '-')}-seed{seed}", RUNS[row], [f"train.seed={seed}"])
-            for row in rows_run for seed in args.seeds]  # fmt: skip
+            for seed in args.seeds for row in rows_run]  # seed-major: every row's first seed comes first  # fmt: skip
     print(f"2/4 training {len(jobs)} runs, {args.parallel} at a time ...", flush=True)
     t0 = time.time()
     done = train_runs(jobs, args.parallel, args.set, run_dir)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+import protocols
 from config import load_config
 from constraints import parse_constraints
 from rewards import parse_spec
@@ -56,7 +57,9 @@ def test_deliberative_searcher_configs():
         (c,) = t.constraints
         assert (c["stat"], c["threshold"], c["direction"], c["param"]) == ("reward/reliability", 0.9, ">=", "lam")
         assert (c["lambda0"], c["eta"], c["warmup_frac"], c["fixed_lambda"]) == (0.01, 0.1, 0.25, fixed)
-    assert "<confidence>" in load("deliberative_searcher.yaml").rollout.prompt_template
+    rollout = load("deliberative_searcher.yaml").rollout
+    assert (rollout.protocol, rollout.chat_template, rollout.prompt_template) == ("deliberative", True, "")
+    assert "<confidence>" in protocols.instructions(protocols.get(rollout.protocol), rollout)
 
 
 def test_webfilter_config():
@@ -66,6 +69,7 @@ def test_webfilter_config():
     assert (t.reward_params["alpha"], t.reward_params["beta"], cfg.rollout.temperature) == (0.4, 0.2, 1.0)
     assert cfg.rollout.max_turns - 1 == 10  # up to 10 retrievals; the last turn must answer
     assert cfg.model.path.endswith("Qwen2.5-7B-Instruct")
+    assert (cfg.rollout.protocol, cfg.rollout.chat_template, cfg.rollout.prompt_template) == ("webfilter", True, "")
 
 
 def test_bapo_configs():
@@ -75,7 +79,8 @@ def test_bapo_configs():
     assert (t.epochs, t.mini_batches, t.clip_eps, t.kl_coef) == (2, 4, 0.1, 0.001)
     assert (t.resample_groups, t.bapo_patience, t.reward_params["alpha"]) == (2, 5, 0.05)
     assert (cfg.retriever.topk, cfg.rollout.max_model_len, cfg.rollout.max_turns - 1) == (5, 8192, 3)
-    assert r"\boxed{I DON'T KNOW}" in render_prompt("q", cfg.rollout.prompt_template)
+    assert (cfg.rollout.protocol, cfg.rollout.allow_idk, cfg.rollout.prompt_template) == ("bapo", True, "")
+    assert r"\boxed{I DON'T KNOW}" in render_prompt("q", cfg=cfg.rollout)
     rft = load("bapo_rft.yaml").train
     assert (rft.algo, rft.lr, rft.warmup_frac, rft.epochs, rft.group_size, rft.kl_coef) == ("rft", 7e-6, 0.1, 3, 8, 0)
 

@@ -24,7 +24,7 @@ EXT = dict(seed=5, n_people=600, n_cities=40, n_countries=8, n_val=40, n_test=40
 
 @pytest.fixture(scope="module")
 def ext(tmp_path_factory):
-    """(world, operator-aware BM25 search, index) of a small extended world."""
+    """(world, operator-aware BM25 search, index, corpus path) of a small extended world."""
     from retriever import build_index, load_index
     from websearch import operator_search
 
@@ -32,7 +32,7 @@ def ext(tmp_path_factory):
     base = tmp_path_factory.mktemp("papers_world")
     write_jsonl(base / "corpus.jsonl", world.corpus)
     index = load_index(build_index(base / "corpus.jsonl", base / "bm25", "bm25"))
-    return world, lambda queries, k=1: operator_search(index, queries, k), index
+    return world, lambda queries, k=1: operator_search(index, queries, k), index, base / "corpus.jsonl"
 
 
 def test_extensions_off_leave_every_older_world_and_its_cache_key_unchanged():
@@ -59,7 +59,7 @@ def test_unanswerable_people_are_absent_from_the_corpus(ext):
 
 
 def test_misinformation_outranks_the_truth_unless_the_source_is_restricted(ext):
-    world, search, _ = ext
+    world, search, *_ = ext
     qs = [q for q in world.questions["test"] if q["metadata"]["type"] == "1hop"]
     for q in qs:
         person, city, cat = q["metadata"]["person"], q["metadata"]["city"], q["metadata"].get("category")
@@ -80,7 +80,7 @@ def test_misinformation_outranks_the_truth_unless_the_source_is_restricted(ext):
 def test_operator_search_leaves_plain_queries_alone_and_never_crashes(ext):
     from retriever import search as plain_search
 
-    _, search, index = ext
+    _, search, index, _ = ext
     queries = ["Tavi born", "", "site:tinypedia.org", '"was born" -site:tinypedia.org Kasol', "NOT NOT"]
     out = search(queries, 3)
     assert len(out) == 5 and out[1] == [] and out[2] == []  # only operators: no hits, no error
@@ -89,8 +89,27 @@ def test_operator_search_leaves_plain_queries_alone_and_never_crashes(ext):
     assert [h["document"]["id"] for h in out[0]] == [h["document"]["id"] for h in plain] and plain
 
 
+def test_deliberative_and_webfilter_protocols_get_search_and_read_tools(ext):
+    from data import make_search_fn
+
+    world, *_, corpus = ext
+    person = next(q for q in world.questions["test"] if q["metadata"].get("category") == "misinfo")["metadata"]
+    timings: dict = {}
+    cfg = load_config(None, ["rollout.protocol=deliberative", "retriever.topk=2"])
+    tools = make_search_fn(cfg, corpus, timings)
+    assert set(tools) == {"search", "read"}
+    (res,) = tools["search"]([f"{person['person']} born site:tinypedia.org"])
+    assert res["error"] is None and [r["domain"] for r in res["results"]] == ["tinypedia.org"]
+    good, missing = tools["read"]([res["results"][0]["id"], "p999999"])
+    assert f"city of {person['city']}." in good["text"] and "no document" in missing["error"]
+    assert timings["retrieve"] > 0
+    with pytest.raises(ConfigError, match="in-process index"):
+        make_search_fn(load_config(None, ["rollout.protocol=webfilter", "retriever.url=http://127.0.0.1:9"]),
+                       corpus, {})  # fmt: skip
+
+
 def test_teacher_has_each_papers_flaw_when_asked(ext):
-    world, search, _ = ext
+    world, search, *_ = ext
     tool = lambda q: "\n".join(  # noqa: E731
         f"Doc {i}(Title: {h['document']['contents'].splitlines()[0][1:-1]}) {h['document']['contents'].splitlines()[1]}"
         for i, h in enumerate(search([q])[0], 1)) or "No results."  # fmt: skip
