@@ -188,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
                    cwd=ROOT, check=True)  # fmt: skip
     timings["world + SFT start"] = time.time() - t0
     rows_run = args.only or list(RUNS)
+    # seed-major: every row's first seed finishes first (a look at all papers early)
     jobs = [((row, seed), f"{Path(RUNS[row]).stem.replace('_', '-')}-seed{seed}", RUNS[row], [f"train.seed={seed}"])
-            for seed in args.seeds for row in rows_run]  # seed-major: every row's first seed comes first  # fmt: skip
+            for seed in args.seeds for row in rows_run]  # fmt: skip
     print(f"2/4 training {len(jobs)} runs, {args.parallel} at a time ...", flush=True)
     t0 = time.time()
     done = train_runs(jobs, args.parallel, args.set, run_dir)
