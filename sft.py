@@ -307,7 +307,8 @@ def copy_probe(cfg: Config, world_path: Path, tool, tokenizer, n: int = 200):
 
     rng = random.Random(0)
     examples = []
-    for q in read_jsonl(world_path / "val.jsonl")[:n]:
+    plain = [q for q in read_jsonl(world_path / "val.jsonl") if "category" not in q["metadata"]]
+    for q in plain[:n]:  # unanswerable and misinformation questions have no right city to copy
         segs = teacher_segments(q, tool, rng, [], [], 0.0, 0.0)  # always the full, correct path
         k = [i for i, (_, role) in enumerate(segs) if role == "obs"][0] + 1
         before = segs[k][0].split(" city of ", 1)[0] + " city of"
