@@ -43,13 +43,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import Config, ModelConfig, SFTConfig
+from config import Config, ConfigError, ModelConfig, SFTConfig
 from rollout import TAGS, render_prompt, tokenize_segments
 
 EOS = "<|endoftext|>"
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, extra_tags: list[str] = ()):
     """Byte-level BPE trained on the world; tags are whole tokens. Saved as a HF tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -65,7 +65,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     )
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
-    fast.add_tokens(TAGS)
+    fast.add_tokens(TAGS + list(extra_tags))  # the protocol's own tags after Search-R1's (same ids as before)
     fast.save_pretrained(out_dir)
     return fast
 
@@ -280,6 +280,14 @@ def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str
 
     world = generate_world(cfg.world)  # deterministic: the same world as on disk
     countries, cities = world.countries, list(world.city_country)
+    if cfg.rollout.protocol != "search_r1":  # the teacher as a policy through rollout.py (teachers.py)
+        from data import make_search_fn
+        from teachers import protocol_trajectories
+
+        if cfg.rollout.chat_template:
+            raise ConfigError("the tiny world's teachers write plain prompts: set rollout.chat_template: false")
+        tools = make_search_fn(cfg, world_path / "corpus.jsonl", {})
+        return protocol_trajectories(cfg, read_jsonl(world_path / "train.jsonl"), tools, countries, cities)
     rng = random.Random(cfg.world.seed + 1)
     confidence_rng = random.Random(cfg.world.seed + 2)  # its own stream: the trajectories stay the same
     habits = Habits(cfg.sft.p_site, cfg.sft.p_unfaithful_think, random.Random(cfg.world.seed + 3))
@@ -352,7 +360,9 @@ def ensure_tiny_policy(cfg: Config) -> Path:
             f.write(json.dumps(t) + "\n")
     corpus_texts = [json.loads(line)["contents"] for line in open(out / "corpus.jsonl")]
     texts = corpus_texts + ["".join(s for s, _ in t) for t in trajectories[:2000]]
-    tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir)
+    from teachers import PROTOCOL_TAGS
+
+    tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir, PROTOCOL_TAGS[cfg.rollout.protocol])
     examples = []
     for t in trajectories:
         ids, mask = tokenize_segments(tokenizer, t, cfg.rollout.max_obs_tokens)
@@ -365,7 +375,8 @@ def ensure_tiny_policy(cfg: Config) -> Path:
         f"tiny policy: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
         f"{len(examples)} SFT trajectories, median {lengths[len(lengths) // 2]} tokens"
     )
-    probe = copy_probe(cfg, out, tool, tokenizer)
+    # the probe is written in Search-R1's tags; another protocol's policy is not probed
+    probe = copy_probe(cfg, out, tool, tokenizer) if cfg.rollout.protocol == "search_r1" else None
     history, probes = sft_train(model, examples, cfg.sft, tokenizer.eos_token_id, cfg.world.seed, probe)
     model.save_pretrained(policy_dir, safe_serialization=True)
     summary = {"sft_seconds": round(time.time() - t0, 1), "final_loss": sum(history[-50:]) / 50, "copy_acc": probes}

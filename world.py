@@ -300,6 +300,7 @@ def world_key(cfg: Config) -> str:
         "topk": cfg.retriever.topk,
         "max_obs_tokens": cfg.rollout.max_obs_tokens,
         "prompt": cfg.rollout.prompt_template,
+        **({"protocol": cfg.rollout.protocol} if cfg.rollout.protocol != "search_r1" else {}),  # teachers.py
         "format": FORMAT_VERSION,
     }
     r = cfg.retriever  # the teacher's observations come from this retriever

@@ -1,0 +1,217 @@
+"""Per-protocol scripted teachers: the tiny world's teacher writing any protocol, through the real
+rollout loop.
+
+world.teacher_segments writes Search-R1 trajectories as text. For the other protocols (BAPO's TIR
+with \\boxed{} answers, Deliberative Searcher's search / read with a confidence per step,
+WebFilter's JSON tool calls) the teacher is a *policy*: `next_turn` reads the transcript so far
+(prompt, its own turns, the tools' observations as the protocol renders them) and writes the next
+turn. `TeacherEngine` puts it behind the engine interface (engine.py), so rollout.rollout_batch
+runs it with the protocol's own parser, tools and rendering, and the SFT data is exactly what a
+rollout of that protocol looks like. The flaws are world.Habits' (site: rarely, a think that
+ignores what it read), plus a random confidence and a random "I don't know" (SFTConfig).
+
+Worked example, deliberative, 1-hop ("Where was Tavi Morek born?"), turn by turn:
+    <think> I need where Tavi Morek was born.</think><confidence> 4</confidence><search> Tavi Morek born</search>
+    <result>[p17] Tavi Morek ...</result>
+    <think> The first source should say.</think><confidence> 8</confidence><read> p17</read>
+    <result>[p17] Tavi Morek\\nTavi Morek was born in the city of Velor.</result>
+    <think> Tavi Morek was born in the city of Velor.</think><confidence> 2</confidence><answer> Velor</answer>
+
+    python teachers.py --config configs/tiny_papers.yaml --set rollout.protocol=deliberative -n 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import zlib
+from dataclasses import dataclass, replace
+
+from answers import OBSERVATIONS, parse_response
+from world import _BORN, _IN_COUNTRY, RELIABLE_DOMAIN, UNFAITHFUL_THINK
+
+IDK = {"bapo": "\\boxed{I DON'T KNOW}"}  # the other protocols write "I don't know"
+# tags of the other protocols: whole tokens in the tiny tokenizer of a world built for them
+PROTOCOL_TAGS = {
+    "search_r1": [],
+    "bapo": ["<result>", "</result>"],
+    "deliberative": ["<result>", "</result>", "<read>", "</read>", "<confidence>", "</confidence>"],
+    "webfilter": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+}
+
+
+@dataclass
+class Flaws:
+    """One trajectory's draws (fixed per question, so every turn agrees with the others)."""
+
+    no_search: bool
+    guess_second_hop: bool
+    site: str
+    unfaithful: bool
+    idk: bool
+    rng: random.Random  # guesses and confidences
+
+
+def draw_flaws(question: dict, sft, seed: int) -> Flaws:
+    rng = random.Random(zlib.crc32(f"{seed}|{question['id']}".encode()))
+    return Flaws(
+        no_search=rng.random() < sft.p_no_search,
+        guess_second_hop=rng.random() < sft.p_guess_second_hop,
+        site=f" site:{RELIABLE_DOMAIN}" if rng.random() < sft.p_site else "",
+        unfaithful=rng.random() < sft.p_unfaithful_think,
+        idk=rng.random() < sft.p_idk,
+        rng=rng,
+    )
+
+
+def render(protocol: str, think: str, action: str, arg: str, confidence: int | None) -> str:
+    """One turn in the protocol's format: think [confidence] then search / read / answer."""
+    conf = f"<confidence> {confidence}</confidence>" if confidence is not None else ""
+    if action == "answer":
+        arg = f"\\boxed{{{arg}}}" if protocol == "bapo" and not arg.startswith("\\boxed") else arg
+        if protocol != "deliberative":  # Search-R1 style: the confidence sits before the answer
+            return f"<think> {think}</think>{conf}<answer> {arg}</answer>"
+    if action == "search" and protocol == "webfilter":
+        call = json.dumps({"name": "search", "arguments": {"queries": [arg]}})
+        return f"<think> {think}</think><tool_call>{call}</tool_call>"
+    return f"<think> {think}</think>{conf if protocol == 'deliberative' else ''}<{action}> {arg}</{action}>"
+
+
+def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countries: list[str],
+              cities: list[str], confidence: bool) -> str:  # fmt: skip
+    """The teacher's next turn given the response so far (everything after the prompt)."""
+    meta, rng = question["metadata"], flaws.rng
+    person, two_hop = meta["person"], meta["type"] == "2hop"
+    blocks = parse_response(response).blocks
+    observations = [b for k, b in blocks if k in OBSERVATIONS]
+    step_conf = rng.randint(1, 10) if protocol == "deliberative" else None
+    final_conf = rng.randint(1, 10) if confidence or protocol == "deliberative" else None
+
+    def answer(think: str, value: str) -> str:
+        value = (IDK.get(protocol, "I don't know")) if flaws.idk else value
+        return render(protocol, think, "answer", value, final_conf)
+
+    if flaws.no_search:
+        guess = rng.choice(countries if two_hop else cities)
+        return answer(f"I guess {person} was born in {guess}.", guess)
+    actions = [k for k, _ in blocks if k in ("search", "tool_call", "read")]
+    searches = sum(k != "read" for k in actions)
+    if not searches:
+        goal = "the country where" if two_hop else "where"
+        return render(protocol, f"I need {goal} {person} was born.", "search", f"{person} born{flaws.site}", step_conf)
+    last = observations[-1] if observations else ""
+    if protocol == "deliberative" and actions[-1] == "search":  # a list of sources: read the first
+        first = re.search(r"\[([^\]\s]+)\]", last)
+        if first:
+            return render(protocol, "The first source should say.", "read", first.group(1), step_conf)
+
+    def said(fact: str) -> str:  # after reading: restate it, or (unfaithful) ignore it
+        return UNFAITHFUL_THINK if flaws.unfaithful else fact
+
+    if searches >= 2:  # the second hop's result: the city's country
+        m = _IN_COUNTRY.search(last)
+        country = m.group(2) if m else rng.choice(countries)
+        return answer(said(m.group(0) if m else "I could not find the country."), country)
+    m = _BORN.search(last)  # the first hop: believes what it reads (a rumour, another person)
+    city = m.group(2) if m else rng.choice(cities)
+    fact = m.group(0) if m else f"{person} was born in the city of {city}."
+    if not two_hop:
+        return answer(said(fact), city)
+    if flaws.guess_second_hop:
+        guess = rng.choice(countries)
+        return answer(f"{fact} It is in the country of {guess}.", guess)
+    return render(protocol, said(f"{fact} I need the country of {city}."), "search", f"{city} country{flaws.site}",
+                  step_conf)  # fmt: skip
+
+
+class CharTokenizer:
+    """Just enough of a tokenizer for rollout.py to run the teacher before the real tokenizer
+    exists (sft.py trains it on the teacher's text): one id per character."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(map(chr, ids))
+
+
+@dataclass
+class _Out:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "stop"
+
+
+class TeacherEngine:
+    """engine.py's interface, answered by `next_turn` for the question named in the prompt."""
+
+    def __init__(self, protocol: str, questions: list[dict], sft, seed: int, countries: list[str], cities: list[str],
+                 confidence: bool):  # fmt: skip
+        self.protocol, self.countries, self.cities, self.confidence = protocol, countries, cities, confidence
+        self.by_text = {q["question"].strip(): q for q in questions}
+        self.flaws = {q["id"]: draw_flaws(q, sft, seed) for q in questions}
+        self.tok = CharTokenizer()
+
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[_Out]:
+        out = []
+        for ids in prompts:
+            text = self.tok.decode(ids)
+            head, _, response = text.partition("\n")  # the plain prompt is one line ending in the question
+            question = self.by_text[head.rsplit("Question: ", 1)[1].strip()]
+            turn = next_turn(self.protocol, question, response, self.flaws[question["id"]], self.countries,
+                             self.cities, self.confidence)  # fmt: skip
+            out.append(_Out(self.tok.encode(turn), [0.0] * len(turn)))
+        return out
+
+
+def teacher_rollouts(cfg, questions: list[dict], tools, countries: list[str], cities: list[str]) -> list[dict]:
+    """One rollout record per question, the teacher writing cfg.rollout.protocol through
+    rollout.rollout_batch (the protocol's parser, tools and observation rendering)."""
+    from rollout import rollout_batch
+
+    engine = TeacherEngine(cfg.rollout.protocol, questions, cfg.sft, cfg.world.seed, countries, cities,
+                           cfg.sft.confidence == "random")  # fmt: skip
+    # lengths count characters here: no budget cuts the teacher (the tiny world's observations are
+    # far below max_obs_tokens real tokens); max_turns is the config's, so the RL rollouts match
+    rcfg = replace(cfg.rollout, max_model_len=10**6, max_obs_tokens=10**6, max_tokens_per_turn=10**6)
+    return rollout_batch(engine, engine.tok, questions, 1, tools, rcfg, greedy=True)
+
+
+def protocol_trajectories(cfg, questions: list[dict], tools, countries: list[str], cities: list[str]) -> list:
+    """teacher_rollouts as SFT trajectories: (text, role) segments, the prompt first."""
+    from rollout import render_prompt
+
+    out = []
+    for q, r in zip(questions, teacher_rollouts(cfg, questions, tools, countries, cities)):
+        prompt = render_prompt(q["question"], cfg.rollout.prompt_template, cfg.rollout)
+        out.append([(prompt, "prompt")] + [(c["text"], "policy" if c["role"] == "policy" else "tool")
+                                          for c in r["chunks"]])  # fmt: skip
+    return out
+
+
+def main() -> None:
+    from config import load_config
+    from data import make_search_fn
+    from world import ensure_world_data, generate_world, read_jsonl
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="a tiny-world config, e.g. configs/tiny_papers.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. rollout.protocol=deliberative")  # fmt: skip
+    parser.add_argument("-n", type=int, default=3, help="trajectories to print")
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.set)
+    path = ensure_world_data(cfg)
+    world = generate_world(cfg.world)
+    qs = read_jsonl(path / "train.jsonl")[: args.n]
+    tools = make_search_fn(cfg, path / "corpus.jsonl", {})
+    for t in protocol_trajectories(cfg, qs, tools, world.countries, list(world.city_country)):
+        print("".join(text for text, _ in t), end="\n\n")
+
+
+if __name__ == "__main__":
+    main()
