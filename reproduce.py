@@ -256,11 +256,16 @@ def write_report(out: Path, args, rows, done, timings, curves, run_dir: Path, te
         "Curves:",
         "",
     ]
-    lines += [f"![{p.stem}](curves/{p.name})" for p in curves]
+    finish_report(out, lines, curves, run_dir, run_dir / "reproduce.json", {"timings": timings, "rows": rows})
+
+
+def finish_report(out: Path, lines: list[str], curves: list[Path], run_dir: Path, data_path: Path, data: dict) -> None:
+    """Append the curves and where the runs are, write the markdown, and the numbers as JSON."""
+    lines = lines + [f"![{p.stem}](curves/{p.name})" for p in curves]
     lines += ["", f"Runs, logs, rollouts and the trajectory viewer: `{run_dir}` (not committed).", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
-    (run_dir / "reproduce.json").write_text(json.dumps({"timings": timings, "rows": rows}, indent=1, default=str))
+    data_path.write_text(json.dumps(data, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -28,13 +28,12 @@ checkpoint (reproduce.train_runs).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from reproduce import ROOT, last_checkpoint, mean_spread, train_runs
+from reproduce import ROOT, finish_report, last_checkpoint, mean_spread, train_runs
 
 BASELINE = "GRPO baseline (EM)"
 RUNS = {  # row -> config
@@ -257,11 +256,8 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         for row in [SFT_ROW, *names]:
             lines.append(f"| {row} | " + " | ".join(mean_spread(values(rows, row, k)) if values(rows, row, k)
                                                      else "–" for k, _ in metrics) + " |")  # fmt: skip
-    lines += ["", "## Curves", ""] + [f"![{p.stem}](curves/{p.name})" for p in curves]
-    lines += ["", f"Runs, logs, rollouts and the trajectory viewer: `{run_dir}` (not committed).", ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    (run_dir / "tiny_papers.json").write_text(json.dumps({"timings": timings, "rows": rows}, indent=1, default=str))
+    lines += ["", "## Curves", ""]
+    finish_report(out, lines, curves, run_dir, run_dir / "tiny_papers.json", {"timings": timings, "rows": rows})
 
 
 if __name__ == "__main__":
