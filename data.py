@@ -121,7 +121,7 @@ def make_web_tools(cfg: Config, corpus_path: Path, timings: dict) -> dict:
     """protocols.web_tools on the configured index, each call timed into timings["retrieve"]."""
     from config import ConfigError
     from protocols import web_tools
-    from retriever import ensure_index, load_index
+    from retriever import open_index
 
     r = cfg.retriever
     if r.url:
@@ -129,9 +129,7 @@ def make_web_tools(cfg: Config, corpus_path: Path, timings: dict) -> dict:
             f"rollout.protocol {cfg.rollout.protocol!r} needs an in-process index (operators, read by id); "
             "retriever.url is a Search-R1 /retrieve server: set retriever.index instead"
         )
-    index = load_index(r.index or ensure_index(corpus_path, r.method, r.model, r.index_factory),
-                       search_params=r.search_params, bm25_backend=r.bm25_backend)  # fmt: skip
-    tools = web_tools(index, k=r.topk, read_tokens=cfg.rollout.max_obs_tokens)
+    tools = web_tools(open_index(r, corpus_path), k=r.topk, read_tokens=cfg.rollout.max_obs_tokens)
 
     def timed(fn):
         def call(items: list[str]) -> list:

@@ -568,6 +568,13 @@ def format_hits(hits: list[dict]) -> str:
 # The rollout-facing interface: the same callable for an in-process index or a server.
 
 
+def open_index(rcfg, corpus_path: str | Path = "") -> Index:
+    """The in-process index of a retriever config: `retriever.index`, else the default index
+    next to the corpus, built on first use."""
+    index_dir = rcfg.index or ensure_index(corpus_path, rcfg.method, rcfg.model, rcfg.index_factory)
+    return load_index(index_dir, search_params=rcfg.search_params, bm25_backend=rcfg.bm25_backend)
+
+
 def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int], list[list[dict]]]:
     """`(queries, k) -> hits per query`, from config: `retriever.url` (an HTTP server speaking
     Search-R1's /retrieve), else `retriever.index` (a built index dir), else the default index
@@ -577,8 +584,7 @@ def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int]
         from server import http_retrieve
 
         return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=rcfg.retries)
-    index_dir = rcfg.index or ensure_index(corpus_path, rcfg.method, rcfg.model, rcfg.index_factory)
-    index = load_index(index_dir, search_params=rcfg.search_params, bm25_backend=rcfg.bm25_backend)
+    index = open_index(rcfg, corpus_path)
     from websearch import operator_search  # site:, -term, ... honoured (WebFilter's operators)
 
     return lambda queries, k: operator_search(index, queries, k)
