@@ -53,6 +53,9 @@ class WorldConfig:
     # unanswerable_frac: per split, this many extra people (as a share of the split's) whose
     # passage is absent from the corpus (BAPO's "I don't know" questions).
     unanswerable_frac: float = 0.0
+    # unanswerable_novel_names: those people get first and last names no passage uses, so the
+    # search finds no namesake (false: both names are corpus names, and a namesake's passage is found)
+    unanswerable_novel_names: bool = False
     # misinfo_frac: share of people with an unreliable-domain passage that outranks the reliable
     # one on a plain query and states a wrong city (WebFilter: only site: finds the truth).
     misinfo_frac: float = 0.0

@@ -159,6 +159,8 @@ def generate_world(cfg: WorldConfig) -> World:
                 ghost = f"{ghost_rng.choice(first)} {ghost_rng.choice(last)}"
                 while ghost in taken_people:
                     ghost = f"{ghost_rng.choice(first)} {ghost_rng.choice(last)}"
+                if cfg.unanswerable_novel_names:  # names no passage uses: the search finds no namesake
+                    ghost = f"{_names(ghost_rng, 1, (1, 2), taken)[0]} {_names(ghost_rng, 1, (2, 3), taken)[0]}"
                 taken_people.add(ghost)
                 city = ghost_rng.choice(cities)
                 for kind, answer in (("1hop", city), ("2hop", city_country[city])):
@@ -310,7 +312,8 @@ def world_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
-LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac")
+LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac",
+                 "unanswerable_novel_names")  # fmt: skip
 FORMAT_VERSION = 3  # bump when the generator, teacher or prompt changes what gets built
 
 

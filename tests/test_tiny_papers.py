@@ -58,6 +58,19 @@ def test_unanswerable_people_are_absent_from_the_corpus(ext):
     assert len(set(kinds)) == 3  # shuffled: a max_questions prefix holds every category
 
 
+def test_novel_ghost_names_share_no_name_with_the_corpus():
+    shared = generate_world(WorldConfig(**EXT))
+    novel = generate_world(WorldConfig(**EXT, unanswerable_novel_names=True))
+    assert novel.corpus == shared.corpus  # only the ghosts' names change
+    words = {w for p in novel.corpus for w in re.findall(r"\w+", p["contents"])}
+    for world, want_shared in ((shared, True), (novel, False)):
+        ghosts = {q["metadata"]["person"] for qs in world.questions.values() for q in qs
+                  if q["metadata"].get("category") == "unanswerable"}  # fmt: skip
+        assert len(ghosts) > 20
+        namesakes = sum(bool(set(g.split()) & words) for g in ghosts)
+        assert namesakes == (len(ghosts) if want_shared else 0)
+
+
 def test_misinformation_outranks_the_truth_unless_the_source_is_restricted(ext):
     world, search, *_ = ext
     qs = [q for q in world.questions["test"] if q["metadata"]["type"] == "1hop"]
@@ -181,10 +194,12 @@ def test_rule_judge_rules_and_their_use_in_the_rewards():
 
 
 def test_config_base_inherits_and_bad_bases_name_the_file(tmp_path):
-    bapo = load_config(ROOT / "configs/tiny_bapo.yaml")
+    veritas = load_config(ROOT / "configs/tiny_veritas.yaml")
     papers = load_config(ROOT / "configs/tiny_papers.yaml")
-    assert bapo.train.reward == "bapo" and papers.train.reward == "em"
-    assert (bapo.world, bapo.sft, bapo.rollout) == (papers.world, papers.sft, papers.rollout)
+    assert veritas.train.reward != papers.train.reward == "em"
+    assert (veritas.world, veritas.sft, veritas.rollout) == (papers.world, papers.sft, papers.rollout)
+    bapo = load_config(ROOT / "configs/tiny_bapo.yaml")  # base tiny_papers_boundary.yaml, whose base is tiny_papers
+    assert bapo.world.unanswerable_frac == 0.5 and bapo.world.n_people == papers.world.n_people
     fixed = load_config(ROOT / "configs/tiny_deliberative_fixed.yaml")  # a base of a base
     assert fixed.train.constraints[0]["fixed_lambda"] == 0.1 and fixed.train.reward == "deliberative"
     (tmp_path / "a.yaml").write_text("base: missing.yaml\n")
@@ -219,6 +234,16 @@ def test_summary_splits_the_categories():
     assert (m["idk_unanswerable"], m["idk_answerable"], m["operator_misinfo"], m["operator"]) == (0.5, 0.0, 0.5, 0.2)
 
 
+def test_every_papers_row_shares_its_baselines_start():
+    from tiny_papers import RUNS, START_OF, STARTS
+    from world import world_dir
+
+    start = {row: world_dir(load_config(ROOT / config)) for row, config in RUNS.items()}
+    for row in RUNS:
+        assert start[row] == start[STARTS[START_OF[row]]], row
+    assert len(set(start.values())) == len(STARTS) == 2  # BAPO's start differs from the shared one
+
+
 MICRO_PAPERS = [
     # the micro world of conftest.MICRO with the papers' extensions (world key of its own)
     "world.n_people=300", "world.n_cities=30", "world.n_countries=6", "world.n_val=20", "world.n_test=20",
@@ -241,9 +266,10 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     report = (tmp_path / "papers.md").read_text()
     assert "## Acceptance (issue 7)" in report and "rule judge" in report
-    for row in rows + ["SFT start"]:
+    for row in rows + ["SFT start", "SFT start, boundary world"]:  # BAPO's rows: a start (and test split) of their own
         assert f"| {row} |" in report
     data = json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"]
+    assert data["SFT start"]["n"] != data["SFT start, boundary world"]["n"]  # two worlds, two test splits
     webfilter = data["WebFilter seed0"]
     assert {"operator_use", "em_misinfo", "idk_unanswerable", "info_think", "ds_reliability"} <= set(webfilter)
     # the runs used what their configs name: the rule judge, BAPO's stage, the Lagrangian
