@@ -1,14 +1,18 @@
 """Every paper's effect on the tiny world, from one command: train, evaluate, write
 results/tiny_papers.md with curves.
 
-    python eval.py reproduce --world papers                 # 8 configs x 3 seeds, 2 runs at a time
+    python eval.py reproduce --world papers                 # 9 configs x 3 seeds, 2 runs at a time
     python eval.py reproduce --world papers --seeds 0 --set train.steps=2 --out /tmp/papers.md  # smoke
 
-All runs start from one SFT policy (configs/tiny_papers.yaml, cached in cache/): the tiny world
-with unanswerable and misinformation questions (world.py) and a Search-R1-format teacher that has
-each paper's flaw (world.Habits: random confidence, IDK only at random, site: rarely, a think that
-ignores what it read). Each paper's config changes the reward, nothing else, so every row is
-compared with the plain GRPO baseline (EM reward) from the same start:
+The runs start from two SFT policies (cached in cache/), each with its plain GRPO baseline:
+- configs/tiny_papers.yaml: the tiny world with unanswerable and misinformation questions
+  (world.py) and a Search-R1-format teacher that has each paper's flaw (world.Habits: random
+  confidence, IDK only at random, site: rarely, a think that ignores what it read);
+- configs/tiny_papers_boundary.yaml, the "boundary world" of BAPO's rows: a third of the
+  questions ask about people no passage names (the search finds no namesake), no misinformation,
+  and the teacher's random IDK more often.
+Each paper's config changes the reward, nothing else, so every row is compared with the plain
+GRPO baseline (EM reward) from the same start:
 
   Search-R1              retrieved-token mask vs none (§3.1, Table 4)       tiny_search_r1_nomask.yaml
   Deliberative Searcher  Lagrangian reliability constraint (§2.1, Alg. 1)  tiny_deliberative.yaml
@@ -28,16 +32,21 @@ checkpoint (reproduce.train_runs).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from reproduce import ROOT, finish_report, last_checkpoint, mean_spread, train_runs
 
 BASELINE = "GRPO baseline (EM)"
+BOUNDARY_BASELINE = "GRPO baseline (EM), boundary world"
 RUNS = {  # row -> config
     BASELINE: "configs/tiny_papers.yaml",
+    BOUNDARY_BASELINE: "configs/tiny_papers_boundary.yaml",
     "Search-R1: no retrieved-token mask": "configs/tiny_search_r1_nomask.yaml",
     "Deliberative: Lagrangian": "configs/tiny_deliberative.yaml",
     "Deliberative: fixed λ = 0.1": "configs/tiny_deliberative_fixed.yaml",
@@ -46,24 +55,26 @@ RUNS = {  # row -> config
     "WebFilter": "configs/tiny_webfilter.yaml",
     "VERITAS": "configs/tiny_veritas.yaml",
 }
-SFT_ROW = "SFT start"
-# paper -> (rows, [(metric, label)], the validation series of its curve)
+SFT_ROW, BOUNDARY_SFT_ROW = "SFT start", "SFT start, boundary world"
+STARTS = {SFT_ROW: BASELINE, BOUNDARY_SFT_ROW: BOUNDARY_BASELINE}  # an SFT start -> the baseline row that builds it
+# paper -> (its SFT start, rows, [(metric, label)], the validation series of its curve)
 PAPERS = {
-    "Search-R1": ([BASELINE, "Search-R1: no retrieved-token mask"],
+    "Search-R1": (SFT_ROW, [BASELINE, "Search-R1: no retrieved-token mask"],
                   [("em", "EM"), ("em_2hop", "EM 2-hop"), ("searches_2hop", "searches / 2-hop q")], "em_2hop"),
-    "Deliberative Searcher": ([BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1"],
+    "Deliberative Searcher": (SFT_ROW, [BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1"],
                               [("ds_reliability", "reliability"), ("ds_false_certain", "false-certain"),
                                ("em", "EM")], "ds_reliability"),
-    "BAPO": ([BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"],
+    "BAPO": (BOUNDARY_SFT_ROW, [BOUNDARY_BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"],
              [("idk_unanswerable", "IDK rate, unanswerable"), ("idk_answerable", "IDK rate, answerable"),
               ("em_answerable", "EM, answerable"), ("bapo_reliability", "BAPO reliability")], "idk_unanswerable"),
-    "WebFilter": ([BASELINE, "WebFilter"],
+    "WebFilter": (SFT_ROW, [BASELINE, "WebFilter"],
                   [("operator_use", "operator use"), ("em_misinfo", "EM, misinformation q"), ("em", "EM")],
                   "operator_use"),
-    "VERITAS": ([BASELINE, "VERITAS"],
+    "VERITAS": (SFT_ROW, [BASELINE, "VERITAS"],
                 [("info_think", "info-think faithfulness"), ("think_answer", "think-answer"), ("em", "EM")],
                 "info_think"),
 }  # fmt: skip
+START_OF = {row: start for start, rows, _, _ in PAPERS.values() for row in rows}
 
 
 def values(rows: dict, row: str, key: str) -> list[float]:
@@ -80,19 +91,23 @@ def acceptance(rows: dict) -> list[tuple[str, str, bool]]:
     """Issue 7's acceptance lines, each (paper, claim with its numbers, met?), from the means."""
     m = lambda row, key: mean(rows, row, key)  # noqa: E731
     b, lag, bapo, fixed = BASELINE, "Deliberative: Lagrangian", "BAPO", "BAPO: fixed +0.5 per IDK"
+    db, bb = PAPERS["Deliberative Searcher"][1][0], PAPERS["BAPO"][1][0]  # each paper's baseline: its first row
     out = [
-        ("Deliberative Searcher", f"reliability {m(b, 'ds_reliability'):.3f} → {m(lag, 'ds_reliability'):.3f}, "
-         f"false-certain {m(b, 'ds_false_certain'):.3f} → {m(lag, 'ds_false_certain'):.3f}, EM "
-         f"{m(b, 'em'):.3f} → {m(lag, 'em'):.3f} (drop ≤ 0.03)",
-         m(lag, "ds_reliability") > m(b, "ds_reliability") and m(lag, "ds_false_certain") < m(b, "ds_false_certain")
-         and m(lag, "em") >= m(b, "em") - 0.03),
+        ("Deliberative Searcher", f"reliability {m(db, 'ds_reliability'):.3f} → {m(lag, 'ds_reliability'):.3f}, "
+         f"false-certain {m(db, 'ds_false_certain'):.3f} → {m(lag, 'ds_false_certain'):.3f}, EM "
+         f"{m(db, 'em'):.3f} → {m(lag, 'em'):.3f} (drop ≤ 0.03)",
+         m(lag, "ds_reliability") > m(db, "ds_reliability") and m(lag, "ds_false_certain") < m(db, "ds_false_certain")
+         and m(lag, "em") >= m(db, "em") - 0.03),
         ("BAPO", f"IDK on unanswerable {m(bapo, 'idk_unanswerable'):.3f} (≥ 0.5; baseline "
-         f"{m(b, 'idk_unanswerable'):.3f}), EM on answerable {m(b, 'em_answerable'):.3f} → "
+         f"{m(bb, 'idk_unanswerable'):.3f}), EM on answerable {m(bb, 'em_answerable'):.3f} → "
          f"{m(bapo, 'em_answerable'):.3f} (drop ≤ 0.05)",
-         m(bapo, "idk_unanswerable") >= 0.5 and m(bapo, "em_answerable") >= m(b, "em_answerable") - 0.05),
+         m(bapo, "idk_unanswerable") >= 0.5 and m(bb, "idk_unanswerable") <= 0.1
+         and m(bapo, "em_answerable") >= m(bb, "em_answerable") - 0.05),
+        # over-conservatism: IDK where the answer was findable, clearly more often than BAPO's
         ("BAPO ablation", f"fixed reward: IDK on answerable {m(fixed, 'idk_answerable'):.3f} vs BAPO "
-         f"{m(bapo, 'idk_answerable'):.3f}, EM on answerable {m(fixed, 'em_answerable'):.3f} (over-conservative?)",
-         m(fixed, "idk_answerable") > m(bapo, "idk_answerable")),
+         f"{m(bapo, 'idk_answerable'):.3f} (over-conservative: ≥ 0.05 more), EM on answerable "
+         f"{m(fixed, 'em_answerable'):.3f} vs {m(bapo, 'em_answerable'):.3f}",
+         m(fixed, "idk_answerable") >= m(bapo, "idk_answerable") + 0.05),
         ("WebFilter", f"operator use {m(SFT_ROW, 'operator_use'):.3f} (SFT) / {m(b, 'operator_use'):.3f} (baseline) "
          f"→ {m('WebFilter', 'operator_use'):.3f} (≥ 0.5), EM on misinformation {m(b, 'em_misinfo'):.3f} → "
          f"{m('WebFilter', 'em_misinfo'):.3f}",
@@ -120,7 +135,7 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
     series = {key: read_series(info["run"]) for key, info in done.items()}
     paths = []
     out_dir.mkdir(parents=True, exist_ok=True)
-    for paper, (rows, _, key) in PAPERS.items():
+    for paper, (_, rows, _, key) in PAPERS.items():
         extra = paper == "Deliberative Searcher"
         fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(10 if extra else 5.5, 3.6), squeeze=False)
         ax = axes[0][0]
@@ -166,27 +181,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", default="", help="where runs go (default runs/papers-<time>); reuse to resume")
     args = parser.parse_args(argv)
     from config import ConfigError, load_config
-    from judge import make_judge
+    from world import world_dir
 
     try:
         for config in RUNS.values():  # a bad config or override fails here, before any work
             load_config(config, args.set)
     except ConfigError as e:
         parser.error(str(e))
-    cfg = load_config(RUNS[BASELINE], args.set)
+    rows_run = args.only or list(RUNS)
+    starts = [start for start in STARTS if any(START_OF[row] == start for row in rows_run)]
+    start_dir = {start: world_dir(load_config(RUNS[STARTS[start]], args.set)) for start in starts}
+    for row in rows_run:  # a paper's row must share its baseline's start, or the comparison means nothing
+        if world_dir(load_config(RUNS[row], args.set)) != start_dir[START_OF[row]]:
+            parser.error(f"{RUNS[row]} builds a different SFT start than {RUNS[STARTS[START_OF[row]]]}: "
+                         "a row's config may change the reward, not the world or the SFT")  # fmt: skip
     t_start = time.time()
     run_dir = Path(args.run_dir or f"runs/papers-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     timings = {}
-    print("1/4 the papers' tiny world and its SFT start (cached after the first time) ...", flush=True)
+    sets = sum((["--set", s] for s in args.set), [])
+    print(f"1/4 the papers' tiny worlds and their SFT starts ({len(starts)}; cached after the first time) ...",
+          flush=True)  # fmt: skip
     t0 = time.time()
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "world.py", "--config", RUNS[BASELINE], *sum((["--set", s] for s in args.set), [])],
-                   cwd=ROOT, check=True)  # fmt: skip
-    timings["world + SFT start"] = time.time() - t0
-    rows_run = args.only or list(RUNS)
+    for start in starts:
+        subprocess.run([sys.executable, "world.py", "--config", RUNS[STARTS[start]], *sets], cwd=ROOT, check=True)
+    timings["worlds + SFT starts"] = time.time() - t0
     # seed-major: every row's first seed finishes first (a look at all papers early)
     jobs = [((row, seed), f"{Path(RUNS[row]).stem.replace('_', '-')}-seed{seed}", RUNS[row], [f"train.seed={seed}"])
             for seed in args.seeds for row in rows_run]  # fmt: skip
@@ -196,31 +215,35 @@ def main(argv: list[str] | None = None) -> None:
     timings["training"] = time.time() - t0
     print("3/4 evaluating on the held-out test questions (rule judge for faithfulness) ...", flush=True)
     t0 = time.time()
-    from eval import run_eval
-    from world import world_dir
-
-    spec = [(SFT_ROW, world_dir(cfg) / "policy", ["agentic"])]
-    spec += [(f"{row} seed{seed}", last_checkpoint(info["run"]), ["agentic"]) for (row, seed), info in done.items()]
-    test_file = world_dir(cfg) / "test.jsonl"
-    columns = sorted({k for _, ms, _ in PAPERS.values() for k, _ in ms})
-    rows = run_eval(cfg, spec, [test_file], columns, run_dir / "eval", judge=make_judge("rule"))
-    rows = {name: per["test"] for name, per in rows.items()}
+    columns = sorted({k for _, _, ms, _ in PAPERS.values() for k, _ in ms})
+    rows, test_files = {}, {}
+    for start in starts:  # each start on its own world's test split, in its own process (one vLLM engine each)
+        models = [f"{start}={start_dir[start] / 'policy'}"]
+        models += [f"{row} seed{seed}={last_checkpoint(info['run'])}" for (row, seed), info in done.items()
+                   if START_OF[row] == start]  # fmt: skip
+        out = run_dir / "eval" / ("start" if start == SFT_ROW else "start-boundary")
+        test_files[start] = start_dir[start] / "test.jsonl"
+        cmd = [sys.executable, "eval.py", "--config", RUNS[STARTS[start]], *sets,
+               *sum((["--model", m] for m in models), []), "--datasets", str(test_files[start]),
+               "--columns", *columns, "--judge-url", "rule", "--out", str(out)]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        rows |= {name: per["test"] for name, per in json.loads((out / "results.json").read_text()).items()}
     timings["evaluation"] = time.time() - t0
     print("4/4 curves and report ...", flush=True)
     out = Path(args.out)
     curves = draw_curves(done, out.parent / "curves")
     timings["total"] = time.time() - t_start
-    write_report(out, args, rows, done, timings, curves, run_dir, test_file)
+    write_report(out, args, rows, done, timings, curves, run_dir, test_files)
     print(out.read_text())
 
 
 def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves: list[Path], run_dir: Path,
-                 test_file: Path) -> None:  # fmt: skip
+                 test_files: dict[str, Path]) -> None:  # fmt: skip
     per_run = [info["minutes"] for info in done.values() if info["minutes"]]
     reused = sum(info["minutes"] for info in done.values() if info.get("earlier"))
     flags = "".join(f" --seeds {' '.join(map(str, args.seeds))}" for _ in [0] if args.seeds != [0, 1, 2])
     cmd = "python eval.py reproduce --world papers" + flags + "".join(f" --set {s}" for s in args.set)
-    n = rows[SFT_ROW]["n"]
+    held_out = " and ".join(f"{rows[start]['n']} ({start})" for start in test_files)
     lines = [
         "# Every paper's effect on the tiny world",
         "",
@@ -239,10 +262,12 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
             else []
         ),
         "",
-        f"Greedy evaluation on the {n} held-out test questions (`{test_file.name}`: plain, unanswerable and",
-        "misinformation questions, half 1-hop, half 2-hop). All rows start from the same SFT policy;",
-        "each paper's row changes only the reward (configs/tiny_<paper>.yaml). Faithfulness",
-        "(info-think) and WebFilter's c are scored by the **rule judge** (judge.RuleJudge), not an LLM.",
+        f"Greedy evaluation on the first {held_out} held-out test questions of each start's world",
+        "(`test.jsonl`: plain, unanswerable and misinformation questions, half 1-hop, half 2-hop). Each",
+        "paper's rows start from the same SFT policy as its GRPO baseline, and change only the reward",
+        "(configs/tiny_<paper>.yaml). BAPO's rows start in the boundary world (configs/tiny_papers_boundary.yaml:",
+        "a third of the questions ask about people no passage names, the teacher's random IDK 15%).",
+        "Faithfulness (info-think) and WebFilter's c are scored by the **rule judge** (judge.RuleJudge), not an LLM.",
         "",
         "## Acceptance (issue 7), from the means below",
         "",
@@ -250,10 +275,10 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         "|---|---|---|",
     ]
     lines += [f"| {p} | {claim} | {'yes' if ok else '**no**'} |" for p, claim, ok in acceptance(rows)]
-    for paper, (names, metrics, _) in PAPERS.items():
+    for paper, (start, names, metrics, _) in PAPERS.items():
         lines += ["", f"## {paper}", "", "| row | " + " | ".join(label for _, label in metrics) + " |",
                   "|---|" + "---|" * len(metrics)]  # fmt: skip
-        for row in [SFT_ROW, *names]:
+        for row in [start, *names]:
             lines.append(f"| {row} | " + " | ".join(mean_spread(values(rows, row, k)) if values(rows, row, k)
                                                      else "–" for k, _ in metrics) + " |")  # fmt: skip
     lines += ["", "## Curves", ""]
