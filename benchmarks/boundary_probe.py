@@ -1,0 +1,86 @@
+"""Does a policy know where its knowledge ends? Two teacher-forced probes per question category.
+
+    python benchmarks/boundary_probe.py --config configs/tiny_papers_boundary.yaml \
+        --model cache/tiny-7078567a2759/policy --model runs/papers-main/tiny-bapo-seed0-*/checkpoints/step_20
+
+For the first --n validation questions of the config's world, the teacher's trajectory (it
+believes what it reads) is cut right before the answer, and the policy is asked:
+- idk:  P(first token of " I don't know" | ... <confidence> 7</confidence><answer>)   (BAPO)
+- conf: P(confidence >= 5 | ... <confidence>), over the ten continuations " 1" .. " 10"
+        (Deliberative Searcher's zeta = 5)
+Printed per category (plain, unanswerable, misinfo): the mean of each. A policy that knows its
+boundary puts more IDK and less confidence on unanswerable contexts than on plain ones; the
+greedy evaluation only shows the result once the argmax flips, this shows the drift before.
+Measured (README, Results): after 10 BAPO steps in the stop-12 namesake world, idk 0.14 on
+unanswerable vs 0.15 on plain contexts (no separation); after 20 steps in the boundary world,
+0.89 vs 0.10.
+"""
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def probe(cfg, model_dir: Path, n: int = 150) -> dict[str, dict[str, float]]:
+    """{category: {"n", "idk", "conf_ge5"}} for one model (see the module docstring)."""
+    import torch
+
+    from engine import load_policy, load_tokenizer
+    from rollout import render_prompt
+    from sft import world_search_tool
+    from world import read_jsonl, teacher_segments, world_dir
+
+    tool = world_search_tool(cfg, world_dir(cfg))
+    rng = random.Random(0)  # the same contexts for every model
+    tokenizer, model = load_tokenizer(model_dir), load_policy(model_dir).eval()
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    @torch.no_grad()
+    def logprob(context: list[int], continuation: list[int]) -> float:
+        logits = model(input_ids=torch.tensor([context + continuation])).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        return sum(lp[len(context) - 1 + i, t].item() for i, t in enumerate(continuation))
+
+    sums: dict[str, dict[str, float]] = {}
+    for q in read_jsonl(world_dir(cfg) / "val.jsonl")[:n]:
+        segs = teacher_segments(q, tool, rng, [], [], 0.0, 0.0)
+        text = render_prompt(q["question"], cfg.rollout.prompt_template) + "".join(s for s, _ in segs)
+        before = text[: text.rindex("<answer>")]
+        answer_ctx = encode(before + "<confidence> 7</confidence><answer>")
+        idk = logprob(answer_ctx, encode(" I don't know")[:1])
+        conf_ctx = before + "<confidence>"
+        conf = torch.tensor([logprob(encode(conf_ctx), encode(conf_ctx + f" {k}</confidence>")[len(encode(conf_ctx)) :])
+                             for k in range(1, 11)]).softmax(0)  # fmt: skip
+        s = sums.setdefault(q["metadata"].get("category", "plain"), {"n": 0, "idk": 0.0, "conf_ge5": 0.0})
+        s["n"] += 1
+        s["idk"] += float(torch.tensor(idk).exp())
+        s["conf_ge5"] += float(conf[4:].sum())
+    return {cat: {"n": s["n"], "idk": s["idk"] / s["n"], "conf_ge5": s["conf_ge5"] / s["n"]} for cat, s in sums.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the config whose world (and SFT teacher) to probe on")
+    parser.add_argument("--model", action="append", required=True, help="policy directory or checkpoint, repeatable")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--n", type=int, default=150, help="validation questions (the first n, every category)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args()
+    import torch
+
+    from config import load_config
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.set)
+    for model_dir in args.model:
+        if not (Path(model_dir) / "config.json").is_file():
+            parser.error(f"model directory not found (no config.json): {model_dir}")
+        for cat, m in sorted(probe(cfg, Path(model_dir), args.n).items()):
+            print(f"{model_dir}  {cat:>12} n={m['n']:>3}  P(IDK) {m['idk']:.3f}  P(conf >= 5) {m['conf_ge5']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
