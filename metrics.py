@@ -407,4 +407,3 @@ def paper_metrics(records: list[dict], judge=None) -> dict:
     (WebFilter), info-think and think-answer faithfulness (VERITAS; info_think needs a judge)."""
     m = compute_metrics(records, judge=judge)
     return {k: m[k] for k in PAPER_KEYS if k in m}
-

@@ -68,8 +68,9 @@ def main() -> None:
             if proc.returncode != 0:
                 sys.exit(f"seed {seed} failed:\n{err[-3000:]}")
             rows.append(collect(args, seed, (time.time() - t) / 60))
-            subprocess.run([sys.executable, "eval.py", "curves", rows[-1]["run"]], cwd=ROOT, check=True,
-                           stdout=subprocess.DEVNULL)  # fmt: skip  (RUN/curves/*.png)
+            subprocess.run(
+                [sys.executable, "eval.py", "curves", rows[-1]["run"]], cwd=ROOT, check=True, stdout=subprocess.DEVNULL
+            )  # fmt: skip  (RUN/curves/*.png)
     fmt = lambda v: f"{statistics.mean(v):.3f} ± {max(v) - min(v):.3f}"  # noqa: E731
     print("| metric | start | end | change |\n|---|---|---|---|")
     for key, start, end in [(k, "start", "end") for k in args.keys] + [(k, "train_start", "train_end")
