@@ -159,7 +159,9 @@ def generate_world(cfg: WorldConfig) -> World:
                 ghost = f"{ghost_rng.choice(first)} {ghost_rng.choice(last)}"
                 while ghost in taken_people:
                     ghost = f"{ghost_rng.choice(first)} {ghost_rng.choice(last)}"
-                if cfg.unanswerable_novel_names:  # names no passage uses: the search finds no namesake
+                # names no passage uses: the search finds no namesake. The corpus-name draw above stays
+                # so that ghost_rng, and with it every ghost's city, is the same in both modes.
+                if cfg.unanswerable_novel_names:
                     ghost = f"{_names(ghost_rng, 1, (1, 2), taken)[0]} {_names(ghost_rng, 1, (2, 3), taken)[0]}"
                 taken_people.add(ghost)
                 city = ghost_rng.choice(cities)
