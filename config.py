@@ -199,9 +199,11 @@ class TrainConfig:
     value_clip: float = 0.5
     whiten_advantages: bool = True
     # BAPO loop: roll out again the groups the reward marks (no correct rollout, no IDK), up to
-    # k more times (BAPO: 2); stage switch after `bapo_patience` evaluations without improvement.
+    # k more times (BAPO: 2); stage switch after `bapo_patience` evaluations without improvement
+    # (a validation EM that beats the best by at most `bapo_min_delta` is no improvement).
     resample_groups: int = 0
     bapo_patience: int = 5
+    bapo_min_delta: float = 0.0
     # RFT: keep rollouts with reward >= rft_accept, and one IDK rollout for a question with none.
     rft_accept: float = 1.0
     # Memory and parallelism (one code path: CPU processes with gloo, GPUs with NCCL).

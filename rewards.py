@@ -260,10 +260,16 @@ class BapoState:
     best: float = -math.inf
     since_best: int = 0
     patience: int = 5  # DESIGN §4: 5 evaluations (the paper: "e.g. 5 consecutive steps")
+    min_delta: float = 0.0  # a score must beat the best by more than this to count as improvement
 
     def update(self, val_score: float) -> str:
-        """Feed one validation score; returns the (possibly switched) stage."""
-        if val_score > self.best:
+        """Feed one validation score; returns the (possibly switched) stage.
+
+        >>> s = BapoState(patience=1, min_delta=0.05)
+        >>> [s.update(v) for v in (0.49, 0.52)]  # +0.03 is not an improvement of more than 0.05
+        ['exploration', 'plateau']
+        """
+        if val_score > self.best + self.min_delta:
             self.best, self.since_best = val_score, 0
         else:
             self.since_best += 1

@@ -391,10 +391,13 @@ def batch_metrics(records: list[dict]) -> dict:
 
 def resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg: Config, step: int) -> tuple:
     """BAPO §4.2: roll out again, up to `resample_groups` times, the groups with no correct
-    rollout and no IDK (rewards.bapo_resample_groups), replacing them. Returns (records, count)."""
+    rollout and no IDK (rewards.bapo_resample_groups), replacing them. Returns (records, count).
+    "Correct" is R_correct in the reward's own f1_unit: in character F1 a wrong made-up name is
+    partly right, so with word F1 in the reward and char F1 here nothing was ever marked."""
     count = 0
+    f1_unit = cfg.train.reward_params.get("f1_unit", "char")
     for attempt in range(1, cfg.train.resample_groups + 1):
-        marked = set(bapo_resample_groups(records))
+        marked = set(bapo_resample_groups(records, f1_unit))
         if not marked:
             break
         again = [q for q in questions if cfg.data.name + ":" + str(q["id"]) in marked]
@@ -503,7 +506,9 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         if world > 1:
             critic = shard_critic(critic, cfg)
         critic_opt = critic_optimizer(critic, cfg.train.critic_lr)
-    bapo = BapoState(patience=cfg.train.bapo_patience) if "bapo" in cfg.train.reward else None
+    bapo = None
+    if "bapo" in cfg.train.reward:
+        bapo = BapoState(patience=cfg.train.bapo_patience, min_delta=cfg.train.bapo_min_delta)
     judge = make_judge(cfg.train.judge, cfg.train.judge_model, on_failure="zero") if cfg.train.judge else None
     # validation always measures faithfulness; on the tiny world the rule judge does it for any run
     measure_judge = judge or (make_judge("rule") if not cfg.data.corpus else None)

@@ -247,6 +247,10 @@ def test_bapo_modulator_stage_and_sample_level():
 def test_bapo_resampling_and_reliability_metrics():
     records = group(["Zug", "Mip"], "a") + group([IDK, "Zug"], "b") + group(["Velor", "Zug"], "c")
     assert bapo_resample_groups(records) == ["a"]  # b said IDK, c has a correct rollout
+    # "Kesh" vs "Velor": char-F1 > 0 counts as partly correct, word F1 = 0 does not (the marking
+    # must use the reward's unit: train.resample_marked_groups passes reward_params' f1_unit)
+    near = group(["Kesh", "Kesh"], "d")
+    assert bapo_resample_groups(near) == [] and bapo_resample_groups(near, f1_unit="word") == ["d"]
     m = reliability_metrics(records)  # N 6, correct 1, IDK 1: acc 1/6, prec 1/5, rho 1/6
     assert m["acc"] == pytest.approx(1 / 6) and m["prec"] == pytest.approx(1 / 5)
     assert m["reliability"] == pytest.approx((5 / 6) * (1 / 5) + (1 / 6) * (1 / 6))
