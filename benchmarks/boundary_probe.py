@@ -24,14 +24,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def teacher_text(cfg, question: dict, tool, rng: random.Random) -> str:
+    """Prompt + the teacher's whole trajectory (no habits: it believes what it reads), ending
+    with "<answer> X</answer>"."""
+    from rollout import render_prompt
+    from world import teacher_segments
+
+    segs = teacher_segments(question, tool, rng, [], [], 0.0, 0.0)
+    return render_prompt(question["question"], cfg.rollout.prompt_template) + "".join(s for s, _ in segs)
+
+
 def probe(cfg, model_dir: Path, n: int = 150) -> dict[str, dict[str, float]]:
     """{category: {"n", "idk", "conf_ge5"}} for one model (see the module docstring)."""
     import torch
 
     from engine import load_policy, load_tokenizer
-    from rollout import render_prompt
     from sft import world_search_tool
-    from world import read_jsonl, teacher_segments, world_dir
+    from world import read_jsonl, world_dir
 
     tool = world_search_tool(cfg, world_dir(cfg))
     rng = random.Random(0)  # the same contexts for every model
@@ -46,9 +55,8 @@ def probe(cfg, model_dir: Path, n: int = 150) -> dict[str, dict[str, float]]:
 
     sums: dict[str, dict[str, float]] = {}
     for q in read_jsonl(world_dir(cfg) / "val.jsonl")[:n]:
-        segs = teacher_segments(q, tool, rng, [], [], 0.0, 0.0)
-        text = render_prompt(q["question"], cfg.rollout.prompt_template) + "".join(s for s, _ in segs)
-        before = text[: text.rindex("<answer>")]
+        before = teacher_text(cfg, q, tool, rng)
+        before = before[: before.rindex("<answer>")]
         answer_ctx = encode(before + "<confidence> 7</confidence><answer>")
         idk = logprob(answer_ctx, encode(" I don't know")[:1])
         conf_ctx = before + "<confidence>"
