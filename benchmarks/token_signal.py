@@ -84,6 +84,7 @@ def run(cfg, model_dir: Path, target: str, steps: int, lr: float, n: int = 400) 
         return step, round(float(v[unans].mean()), 3), round(float(v[~unans].mean()), 3)
 
     curve = [measure(0)]
+    print(*curve[0], flush=True)
     model.train()
     for step in range(1, steps + 1):
         batch = random.Random(step).sample(train, QUESTIONS)
