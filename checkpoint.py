@@ -1,5 +1,9 @@
-"""Checkpoints that let a killed run continue exactly where it stopped.
+"""The run directory, and checkpoints that let a killed run continue exactly where it stopped.
 
+    runs/<name>-<time>/
+        config.yaml        the whole config the run used (new_run_dir)
+        metrics.jsonl      one JSON row per step: batch means, losses, timings, evaluations (log)
+        samples/step_<k>.jsonl   the first `train.samples_per_step` rollouts of step k (write_samples)
     runs/<name>-<time>/checkpoints/step_<k>/
         model.safetensors, config.json, tokenizer files   the policy (loadable by eval.py / vLLM)
         critic/                                           PPO's value model, when there is one
@@ -18,14 +22,39 @@ saving never leaves a half checkpoint that looks whole; only the newest `keep` a
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
-from config import ConfigError
+from config import Config, ConfigError, config_to_dict
+
+
+def new_run_dir(cfg: Config) -> Path:
+    """runs/<name>-<time>/ with the run's config.yaml; an existing directory is an error."""
+    run = Path(cfg.train.run_dir) / f"{cfg.train.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run.mkdir(parents=True, exist_ok=False)
+    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return run
+
+
+def log(run: Path, row: dict) -> None:
+    """Append one row to the run's metrics.jsonl."""
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def write_samples(run: Path, step: int, records: list[dict]) -> None:
+    """samples/step_<step>.jsonl: the records as the viewer reads them."""
+    (run / "samples").mkdir(exist_ok=True)
+    with open(run / "samples" / f"step_{step}.jsonl", "w") as f:
+        for r in records:  # without private caches such as answers.parsed's "_parsed"
+            f.write(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n")
 
 
 def rng_state() -> dict:

@@ -398,6 +398,24 @@ def metrics_by_dataset(records: list[dict], zeta: float = 5, judge=None, referen
     return {name: compute_metrics(groups[name], zeta, judge, reference_records, n_bins) for name in sorted(groups)}
 
 
+def batch_metrics(records: list[dict]) -> dict:
+    """A training batch's means (train.py logs them every step): EM, IDK rate and answered rate
+    whatever the reward, plus each numeric reward component as `reward/<name>` (rewards.py)."""
+    n = len(records)
+    row = {
+        "reward": sum(r["reward"] for r in records) / n,
+        "em": sum(exact_match(r["answer"], r["golden_answers"]) for r in records) / n,
+        "idk_rate": sum(parsed(r).idk for r in records) / n,
+        "format_ok": sum(r["finish"] == "answer" for r in records) / n,
+        "response_len": sum(sum(r["loss_mask"]) for r in records) / n,
+        "searches_per_question": sum(r["num_searches"] for r in records) / n,
+    }
+    keys = {k for r in records for k, v in r["reward_components"].items() if isinstance(v, (int, float))}
+    for key in sorted(keys - {"reward"}):
+        row[f"reward/{key}"] = sum(float(r["reward_components"].get(key, 0.0)) for r in records) / n
+    return row
+
+
 PAPER_KEYS = ("ds_reliability", "ds_false_certain", "bapo_idk_rate", "operator_use", "info_think", "think_answer")
 
 

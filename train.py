@@ -55,12 +55,11 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm import tqdm
 
-from answers import exact_match, parsed
-from checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from config import Config, ConfigError, DataError, config_to_dict, load_config
+from answers import parsed
+from checkpoint import latest_checkpoint, load_trainer_state, log, new_run_dir, save_checkpoint, write_samples
+from config import Config, ConfigError, DataError, load_config
 from constraints import apply_to_rewards as apply_constraints
 from constraints import batch_statistic, dual_update, parse_constraints, reward_params, switch_on
 from constraints import log_row as constraint_log
@@ -70,7 +69,7 @@ from data import data_paths, ensure_policy, load_questions, make_search_fn
 from distributed import all_reduce, balanced_micro_batches, clip_grad_norm, make_optimizer
 from engine import load_policy, load_tokenizer, make_engine
 from judge import make_judge
-from metrics import paper_metrics
+from metrics import batch_metrics, paper_metrics
 from rewards import BapoState, bapo_resample_groups, score
 from rollout import rollout_batch
 from sft import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
@@ -352,40 +351,6 @@ def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> li
 
 
 # ---------------------------------------------------------------------------------------------
-# Run directory and metrics.
-
-
-def new_run_dir(cfg: Config) -> Path:
-    run = Path(cfg.train.run_dir) / f"{cfg.train.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run.mkdir(parents=True, exist_ok=False)
-    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    return run
-
-
-def log(run: Path, row: dict) -> None:
-    with open(run / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def batch_metrics(records: list[dict]) -> dict:
-    """Batch means; EM, IDK rate and answered-rate whatever the reward, plus each numeric reward
-    component as `reward/<name>` (the reward's own parts, rewards.py)."""
-    n = len(records)
-    row = {
-        "reward": sum(r["reward"] for r in records) / n,
-        "em": sum(exact_match(r["answer"], r["golden_answers"]) for r in records) / n,
-        "idk_rate": sum(parsed(r).idk for r in records) / n,
-        "format_ok": sum(r["finish"] == "answer" for r in records) / n,
-        "response_len": sum(sum(r["loss_mask"]) for r in records) / n,
-        "searches_per_question": sum(r["num_searches"] for r in records) / n,
-    }
-    keys = {k for r in records for k, v in r["reward_components"].items() if isinstance(v, (int, float))}
-    for key in sorted(keys - {"reward"}):
-        row[f"reward/{key}"] = sum(float(r["reward_components"].get(key, 0.0)) for r in records) / n
-    return row
-
-
-# ---------------------------------------------------------------------------------------------
 # The BAPO loop (resampling, stage) and Reliable RFT.
 
 
@@ -618,7 +583,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
                 row["resampled_groups"] = resampled
             if bapo is not None:
                 row |= {"bapo_stage": bapo.stage, f"idk_rate/{bapo.stage}": row["idk_rate"]}
-            _write_samples(run, step + 1, records[: cfg.train.samples_per_step])
+            write_samples(run, step + 1, records[: cfg.train.samples_per_step])
             if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
                 ev = run_eval()
                 row["eval"] = ev
@@ -673,13 +638,6 @@ def _next_batch(order: list[int], n: int, k: int, rng: random.Random) -> tuple[l
         rng.shuffle(fresh)
         order = order + fresh
     return order[:k], order[k:]
-
-
-def _write_samples(run: Path, step: int, records: list[dict]) -> None:
-    (run / "samples").mkdir(exist_ok=True)
-    with open(run / "samples" / f"step_{step}.jsonl", "w") as f:
-        for r in records:  # without private caches such as answers.parsed's "_parsed"
-            f.write(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
