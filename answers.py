@@ -48,7 +48,11 @@ class Parsed:
 
     @property
     def idk(self) -> bool:
-        return self.answer is not None and normalize_answer(self.answer) in IDK_ANSWERS
+        """ "I don't know" and its variants; a typographic apostrophe ("don’t", which SQuAD's
+        ASCII punctuation list keeps) counts too."""
+        if self.answer is None:
+            return False
+        return normalize_answer(self.answer.replace("\u2019", "'").replace("\u2018", "'")) in IDK_ANSWERS
 
     @property
     def format_ok(self) -> bool:

@@ -327,18 +327,6 @@ def bapo_resample_groups(records: list[dict], f1_unit: str = "char") -> list[str
     return [g for g, rs in groups.items() if all(bapo_correct(r, f1_unit) <= 0 and not parsed(r).idk for r in rs)]
 
 
-def reliability_metrics(records: list[dict]) -> dict:
-    """BAPO eq. 4, 7: acc = Nc/N, prec = Nc/(N - Nr), rho_IDK = Nr/N, with EM as correctness;
-    reliability = (1 - rho_IDK) prec + rho_IDK acc."""
-    n = len(records)
-    n_idk = sum(parsed(r).idk for r in records)
-    n_c = sum(exact_match(parsed(r).answer, golden_of(r)) for r in records)
-    acc = n_c / n if n else 0.0
-    prec = n_c / (n - n_idk) if n > n_idk else 0.0
-    rho = n_idk / n if n else 0.0
-    return {"acc": acc, "prec": prec, "idk_rate": rho, "reliability": (1 - rho) * prec + rho * acc}
-
-
 # --------------------------------------------------------------------------------------------
 # The table, composition and scoring.
 

@@ -27,7 +27,7 @@ from metrics import (
     metrics_by_dataset,
     rejection_success_rate,
 )  # fmt: skip
-from rewards import compute, reliability_metrics, score
+from rewards import compute, score
 from rollout import rollout_batch
 
 INFO = "<information>Doc 1(Title: Tavi Morek) Tavi Morek was born in the city of Velor.</information>"
@@ -147,10 +147,6 @@ def test_fixed_set_with_a_judge_by_hand():
 def test_consistent_with_the_reward_components():
     records = seven()
     m = compute_metrics(records)
-    # BAPO eq. 4 / 7 as rewards.py computes it (EM correctness)
-    ref = reliability_metrics(seven())
-    assert (m["acc"], m["bapo_prec"], m["bapo_idk_rate"]) == pytest.approx((ref["acc"], ref["prec"], ref["idk_rate"]))
-    assert m["bapo_reliability"] == pytest.approx(ref["reliability"])
     # the Deliberative Searcher reliability reward (eq. 5) averages to ds_reliability
     rel = [c["reward"] for c in compute(seven(), "reliability", {"zeta": 5})]
     assert m["ds_reliability"] == pytest.approx(sum(rel) / len(rel))

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from answers import char_f1, exact_match, f1_score, last_block, normalize_answer, parse_response
+from answers import char_f1, exact_match, f1_score, golden_of, last_block, normalize_answer, parse_response, parsed
+from metrics import bapo_metrics
 from rewards import (
     BapoState,
     bapo,
     bapo_resample_groups,
     compute,
     parse_spec,
-    reliability_metrics,
     score,
     source_restricting,
 )  # fmt: skip
@@ -216,6 +216,12 @@ def group(answers: list[str | None], gid="q1") -> list[dict]:
 IDK = "I DON'T KNOW"
 
 
+def test_idk_variants_including_a_typographic_apostrophe():
+    said = lambda text: parse_response(f"<think> x</think><answer> {text}</answer>").idk  # noqa: E731
+    assert said("I don't know") and said("I DON\u2019T KNOW") and said("i do not know.") and said("IDK")
+    assert not said("I know") and not said("Don Know")
+
+
 def test_bapo_idk_bonus_only_when_no_rollout_is_correct():
     # a correct rollout in the group: no IDK bonus; R_correct = char-F1 or -1 (no answer)
     got = bapo(group(["Velor", "Kesh", IDK, None]), stage="plateau")
@@ -244,16 +250,17 @@ def test_bapo_modulator_stage_and_sample_level():
     assert stages == ["exploration"] * 6 + ["plateau", "plateau"]
 
 
-def test_bapo_resampling_and_reliability_metrics():
+def test_bapo_resampling_and_reliability():
     records = group(["Zug", "Mip"], "a") + group([IDK, "Zug"], "b") + group(["Velor", "Zug"], "c")
     assert bapo_resample_groups(records) == ["a"]  # b said IDK, c has a correct rollout
     # "Kesh" vs "Velor": char-F1 > 0 counts as partly correct, word F1 = 0 does not (the marking
     # must use the reward's unit: train.resample_marked_groups passes reward_params' f1_unit)
     near = group(["Kesh", "Kesh"], "d")
     assert bapo_resample_groups(near) == [] and bapo_resample_groups(near, f1_unit="word") == ["d"]
-    m = reliability_metrics(records)  # N 6, correct 1, IDK 1: acc 1/6, prec 1/5, rho 1/6
-    assert m["acc"] == pytest.approx(1 / 6) and m["prec"] == pytest.approx(1 / 5)
-    assert m["reliability"] == pytest.approx((5 / 6) * (1 / 5) + (1 / 6) * (1 / 6))
+    correct = [exact_match(parsed(r).answer, golden_of(r)) for r in records]
+    m = bapo_metrics(records, correct)  # N 6, correct 1, IDK 1: acc 1/6, prec 1/5, rho 1/6
+    assert m["acc"] == pytest.approx(1 / 6) and m["bapo_prec"] == pytest.approx(1 / 5)
+    assert m["bapo_reliability"] == pytest.approx((5 / 6) * (1 / 5) + (1 / 6) * (1 / 6))
 
 
 def test_bapo_through_compute_groups_by_group_id():
