@@ -19,7 +19,7 @@ RUNS = {
         "epochs": 2,
         "mini_batches": 2,
         "bapo_patience": 1,
-    },  # fmt: skip
+    },
     "lora": {"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2, "kl_coef": 0.01},
 }
 
