@@ -318,9 +318,10 @@ def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alph
 bapo.group = True
 
 
-def bapo_resample_groups(records: list[dict], f1_unit: str = "char") -> list[str]:
+def bapo_resample_groups(records: list[dict], f1_unit: str = "char", **_) -> list[str]:
     """Group ids to roll out again (BAPO §4.2, up to k = 2 more times, the trainer counts):
-    no rollout correct (R_correct > 0) and none said IDK."""
+    no rollout correct (R_correct > 0) and none said IDK. Takes the reward's own parameters
+    (train.reward_params), so "correct" is judged as the reward judges it."""
     groups: dict[str, list[dict]] = {}
     for r in records:
         groups.setdefault(str(r.get("group_id")), []).append(r)

@@ -356,13 +356,12 @@ def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> li
 
 def resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg: Config, step: int) -> tuple:
     """BAPO §4.2: roll out again, up to `resample_groups` times, the groups with no correct
-    rollout and no IDK (rewards.bapo_resample_groups), replacing them. Returns (records, count).
-    "Correct" is R_correct in the reward's own f1_unit: in character F1 a wrong made-up name is
-    partly right, so with word F1 in the reward and char F1 here nothing was ever marked."""
+    rollout and no IDK (rewards.bapo_resample_groups, with the reward's own parameters: with
+    word F1 in the reward and the default char F1 here nothing was ever marked), replacing them.
+    Returns (records, count)."""
     count = 0
-    f1_unit = cfg.train.reward_params.get("f1_unit", "char")
     for attempt in range(1, cfg.train.resample_groups + 1):
-        marked = set(bapo_resample_groups(records, f1_unit))
+        marked = set(bapo_resample_groups(records, **cfg.train.reward_params))
         if not marked:
             break
         again = [q for q in questions if cfg.data.name + ":" + str(q["id"]) in marked]

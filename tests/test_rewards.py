@@ -254,9 +254,10 @@ def test_bapo_resampling_and_reliability():
     records = group(["Zug", "Mip"], "a") + group([IDK, "Zug"], "b") + group(["Velor", "Zug"], "c")
     assert bapo_resample_groups(records) == ["a"]  # b said IDK, c has a correct rollout
     # "Kesh" vs "Velor": char-F1 > 0 counts as partly correct, word F1 = 0 does not (the marking
-    # must use the reward's unit: train.resample_marked_groups passes reward_params' f1_unit)
+    # must use the reward's unit: train.resample_marked_groups passes all of reward_params)
     near = group(["Kesh", "Kesh"], "d")
     assert bapo_resample_groups(near) == [] and bapo_resample_groups(near, f1_unit="word") == ["d"]
+    assert bapo_resample_groups(near, **{"f1_unit": "word", "alpha": 0.2}) == ["d"]  # configs/tiny_bapo.yaml's
     correct = [exact_match(parsed(r).answer, golden_of(r)) for r in records]
     m = bapo_metrics(records, correct)  # N 6, correct 1, IDK 1: acc 1/6, prec 1/5, rho 1/6
     assert m["acc"] == pytest.approx(1 / 6) and m["bapo_prec"] == pytest.approx(1 / 5)
