@@ -94,6 +94,11 @@ class SFTConfig:
     # "random": the teacher writes <confidence>N</confidence> before each answer with N drawn
     # uniformly from 1-10, uncorrelated with being right (what Deliberative Searcher's RL fixes)
     confidence: str = ""
+    # With "random": the share of answers whose confidence is instead drawn from the half that
+    # matches the teacher's own correctness (5-10 if right, 1-4 if wrong): a weak calibration
+    # signal, as a real LLM has. At 0 (uniform only) the 4-layer policy computes no feature at the
+    # confidence position for RL to amplify (README, Results: benchmarks/token_signal.py --readout).
+    p_confidence_hint: float = 0.0
     # The papers' imperfections (each what one paper's RL fixes; world.teacher_segments):
     p_idk: float = 0.0  # answer "I don't know" at random, never because it should (BAPO)
     p_site: float = 0.0  # restrict the source with site:tinypedia.org, rarely (WebFilter)
@@ -314,6 +319,9 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {value!r}")
+    if not 0.0 <= cfg.sft.p_confidence_hint <= 1.0 or (cfg.sft.p_confidence_hint and cfg.sft.confidence != "random"):
+        raise ConfigError(f"config key 'sft.p_confidence_hint' must be in [0, 1] and needs sft.confidence: random; "
+                          f"got {cfg.sft.p_confidence_hint!r} with confidence {cfg.sft.confidence!r}")  # fmt: skip
 
 
 def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:

@@ -29,8 +29,8 @@ import re
 import zlib
 from dataclasses import dataclass, replace
 
-from answers import OBSERVATIONS, parse_response
-from world import _BORN, _IN_COUNTRY, RELIABLE_DOMAIN, UNFAITHFUL_THINK
+from answers import OBSERVATIONS, exact_match, parse_response
+from world import _BORN, _IN_COUNTRY, RELIABLE_DOMAIN, UNFAITHFUL_THINK, hinted_confidence
 
 IDK = {"bapo": "\\boxed{I DON'T KNOW}"}  # the other protocols write "I don't know"
 # tags of the other protocols: whole tokens in the tiny tokenizer of a world built for them
@@ -80,7 +80,7 @@ def render(protocol: str, think: str, action: str, arg: str, confidence: int | N
 
 
 def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countries: list[str],
-              cities: list[str], confidence: bool) -> str:  # fmt: skip
+              cities: list[str], confidence: bool, confidence_hint: float = 0.0) -> str:  # fmt: skip
     """The teacher's next turn given the response so far (everything after the prompt)."""
     meta, rng = question["metadata"], flaws.rng
     person, two_hop = meta["person"], meta["type"] == "2hop"
@@ -91,7 +91,9 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
 
     def answer(think: str, value: str) -> str:
         value = (IDK.get(protocol, "I don't know")) if flaws.idk else value
-        return render(protocol, think, "answer", value, final_conf)
+        right = exact_match(value, question["golden_answers"]) == 1.0
+        conf = None if final_conf is None else hinted_confidence(rng, right, confidence_hint, final_conf)
+        return render(protocol, think, "answer", value, conf)
 
     if flaws.no_search:
         guess = rng.choice(countries if two_hop else cities)
@@ -152,6 +154,7 @@ class TeacherEngine:
     def __init__(self, protocol: str, questions: list[dict], sft, seed: int, countries: list[str], cities: list[str],
                  confidence: bool):  # fmt: skip
         self.protocol, self.countries, self.cities, self.confidence = protocol, countries, cities, confidence
+        self.confidence_hint = sft.p_confidence_hint
         self.by_text = {q["question"].strip(): q for q in questions}
         self.flaws = {q["id"]: draw_flaws(q, sft, seed) for q in questions}
         self.tok = CharTokenizer()
@@ -163,7 +166,7 @@ class TeacherEngine:
             head, _, response = text.partition("\n")  # the plain prompt is one line ending in the question
             question = self.by_text[head.rsplit("Question: ", 1)[1].strip()]
             turn = next_turn(self.protocol, question, response, self.flaws[question["id"]], self.countries,
-                             self.cities, self.confidence)  # fmt: skip
+                             self.cities, self.confidence, self.confidence_hint)  # fmt: skip
             out.append(_Out(self.tok.encode(turn), [0.0] * len(turn)))
         return out
 

@@ -202,6 +202,20 @@ def _question(qid: str, kind: str, person: str, city: str, answer: str, gold_ids
     return {"id": qid, "question": text, "golden_answers": [answer], "metadata": meta}
 
 
+def hinted_confidence(rng: random.Random, right: bool, p_hint: float, drawn: int) -> int:
+    """The teacher's stated confidence: `drawn` (uniform 1-10), except with probability p_hint
+    one from the half that matches its own correctness (5-10 if right, 1-4 if wrong; ζ = 5).
+
+    >>> hinted_confidence(random.Random(0), True, 0.0, 3)  # no hint: the random draw, rng untouched
+    3
+    >>> hinted_confidence(random.Random(0), False, 1.0, 9) < 5
+    True
+    """
+    if p_hint and rng.random() < p_hint:
+        return rng.randint(5, 10) if right else rng.randint(1, 4)
+    return drawn
+
+
 @dataclass
 class Habits:
     """The teacher's imperfections that the papers' RL fixes (all off for configs/tiny.yaml).
@@ -315,7 +329,7 @@ def world_key(cfg: Config) -> str:
 
 
 LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac",
-                 "unanswerable_novel_names")  # fmt: skip
+                 "unanswerable_novel_names", "p_confidence_hint")  # fmt: skip
 FORMAT_VERSION = 3  # bump when the generator, teacher or prompt changes what gets built
 
 

@@ -35,6 +35,13 @@ def ext(tmp_path_factory):
     return world, lambda queries, k=1: operator_search(index, queries, k), index, base / "corpus.jsonl"
 
 
+def docs_tool(search):
+    """The Search-R1 teacher's tool over `search`: a query -> "Doc i(Title: t) text" lines."""
+    return lambda q: "\n".join(
+        f"Doc {i}(Title: {h['document']['contents'].splitlines()[0][1:-1]}) {h['document']['contents'].splitlines()[1]}"
+        for i, h in enumerate(search([q])[0], 1)) or "No results."  # fmt: skip
+
+
 def test_extensions_off_leave_every_older_world_and_its_cache_key_unchanged():
     plain, off = generate_world(WorldConfig(seed=1, n_people=200)), generate_world(
         WorldConfig(seed=1, n_people=200, unanswerable_frac=0.0, misinfo_frac=0.0))  # fmt: skip
@@ -123,9 +130,7 @@ def test_deliberative_and_webfilter_protocols_get_search_and_read_tools(ext):
 
 def test_teacher_has_each_papers_flaw_when_asked(ext):
     world, search, *_ = ext
-    tool = lambda q: "\n".join(  # noqa: E731
-        f"Doc {i}(Title: {h['document']['contents'].splitlines()[0][1:-1]}) {h['document']['contents'].splitlines()[1]}"
-        for i, h in enumerate(search([q])[0], 1)) or "No results."  # fmt: skip
+    tool = docs_tool(search)
     countries, cities = world.countries, list(world.city_country)
     qs = world.questions["train"]
     always = Habits(p_site=1.0, p_unfaithful_think=1.0, rng=random.Random(0))
@@ -147,6 +152,35 @@ def test_teacher_has_each_papers_flaw_when_asked(ext):
     # unanswerable questions anyway (a ghost's city only by a rare coincidence)
     assert right[None] == total[None] and right["misinfo"] <= 0.2 * total["misinfo"]
     assert right["unanswerable"] <= 0.3 * total["unanswerable"] and total["unanswerable"] > 20
+
+
+def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext, tmp_path):
+    """sft.p_confidence_hint = 1: every stated confidence is >= 5 exactly when the teacher's
+    answer is right, in sft.py's Search-R1 teacher and in teachers.py's protocol teachers."""
+    from dataclasses import replace
+
+    from answers import exact_match, parse_response
+    from data import make_search_fn
+    from sft import teacher_examples
+    from teachers import teacher_rollouts
+
+    world, search, _, corpus = ext
+    qs = world.questions["train"][:80]
+    hint = ["sft.confidence=random", "sft.p_confidence_hint=1"]
+    cfg = load_config(None, ["rollout.protocol=deliberative", "rollout.max_turns=6", "retriever.topk=1", *hint])
+    recs = teacher_rollouts(cfg, qs, make_search_fn(cfg, corpus, {}), world.countries, list(world.city_country))
+    texts = [r["response_text"] for r in recs]
+    cfg = load_config(None, hint)
+    cfg.world = replace(cfg.world, **EXT)
+    write_jsonl(tmp_path / "train.jsonl", qs)
+    tool = docs_tool(search)
+    texts += ["".join(t for t, role in ex if role != "prompt") for ex in teacher_examples(cfg, tmp_path, tool)]
+    parsed = [parse_response(t) for t in texts]
+    right = [exact_match(p.answer, q["golden_answers"]) == 1.0 for p, q in zip(parsed, qs + qs)]
+    assert [p.confidence >= 5 for p in parsed] == right and 0 < sum(right) < len(right)
+    for bad in (["sft.p_confidence_hint=0.3"], [*hint[:1], "sft.p_confidence_hint=1.5"]):
+        with pytest.raises(ConfigError, match="sft.p_confidence_hint"):
+            load_config(None, bad)
 
 
 def test_rule_judge_rules_and_their_use_in_the_rewards():
