@@ -21,6 +21,10 @@ Measured on the boundary start (README, Results): idk separates by step 10 (0.85
 conf moves together (0.18 vs 0.17 at step 20) and separates only from step ~40; conf_after
 from step ~30. With --lr 1e-3, conf separates by step 10 (0.44 vs 0.07) and fully
 by step 20 (0.997 vs 0.001); the full RL task at train.lr=1e-3 did not (README, Results).
+--readout (only the output layer and final norm learn, reading the features already there):
+idk still separates by step 10 (0.89 vs 0.06), conf and conf_after never do (0.011 vs 0.009 and
+0.031 vs 0.011 at step 40, both falling): the SFT policy has no boundary feature where the
+confidence is written.
 """
 
 import argparse
@@ -51,8 +55,11 @@ def contexts(cfg, target: str, n: int) -> list[tuple[str, bool]]:
     return out
 
 
-def run(cfg, model_dir: Path, target: str, steps: int, lr: float, n: int = 400) -> list[tuple[int, float, float]]:
-    """[(step, P(event | unanswerable), P(event | answerable))] every 10 steps (module docstring)."""
+def run(cfg, model_dir: Path, target: str, steps: int, lr: float, n: int = 400,
+        readout: bool = False) -> list[tuple[int, float, float]]:  # fmt: skip
+    """[(step, P(event | unanswerable), P(event | answerable))] every 10 steps (module docstring).
+    readout: train only the output layer and the final norm, reading the features the SFT policy
+    already computes at that position (what a token gets when the body hardly moves for it)."""
     import torch
 
     from engine import load_policy, load_tokenizer
@@ -64,7 +71,12 @@ def run(cfg, model_dir: Path, target: str, steps: int, lr: float, n: int = 400) 
     train, held = data[: n * 4 // 5], data[n * 4 // 5 :]
     digits = torch.tensor([encode(f"<confidence> {k}")[-1] for k in range(1, 11)])
     idk = encode("<answer> I don't know")[len(encode("<answer>"))]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if readout:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in (model.get_output_embeddings().weight, *model.model.norm.parameters()):
+            p.requires_grad_(True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
 
     def next_logp(batch):
         width = max(len(ids) for ids, _ in batch)
@@ -118,6 +130,7 @@ def main() -> None:
     parser.add_argument("--target", choices=("conf", "conf_after", "idk"), default="conf", help="the token trained")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (the tiny runs' train.lr)")
+    parser.add_argument("--readout", action="store_true", help="train only the output layer and final norm")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
@@ -130,7 +143,7 @@ def main() -> None:
         parser.error(f"model directory not found (no config.json): {args.model}")
     cfg = load_config(args.config, args.set)
     print("step  P(event | unanswerable)  P(event | answerable)")
-    run(cfg, Path(args.model), args.target, args.steps, args.lr)
+    run(cfg, Path(args.model), args.target, args.steps, args.lr, readout=args.readout)
 
 
 if __name__ == "__main__":
