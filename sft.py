@@ -276,7 +276,7 @@ def world_search_tool(cfg: Config, world_path: Path):
 
 def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str, str]]]:
     """Teacher trajectories for every training question, with real BM25 observations."""
-    from answers import exact_match
+    from answers import exact_match, last_block
     from world import Habits, generate_world, hinted_confidence, read_jsonl, teacher_segments
 
     world = generate_world(cfg.world)  # deterministic: the same world as on disk
@@ -299,8 +299,7 @@ def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str
         if cfg.sft.p_idk and habits.rng.random() < cfg.sft.p_idk:  # BAPO's teacher: IDK at random only
             segs[-1] = (re.sub(r"<answer>.*</answer>", "<answer> I don't know</answer>", segs[-1][0]), segs[-1][1])
         if cfg.sft.confidence == "random":  # Deliberative Searcher's format, stated at random
-            said = re.search(r"<answer>(.*?)</answer>", segs[-1][0], re.S)
-            right = bool(said) and exact_match(said.group(1), q["golden_answers"]) == 1.0
+            right = exact_match(last_block(segs[-1][0], "answer"), q["golden_answers"]) == 1.0
             conf = hinted_confidence(confidence_rng, right, cfg.sft.p_confidence_hint, confidence_rng.randint(1, 10))
             tag = f"<confidence> {conf}</confidence><answer>"
             segs[-1] = (segs[-1][0].replace("<answer>", tag), segs[-1][1])
