@@ -103,6 +103,10 @@ class SFTConfig:
     p_idk: float = 0.0  # answer "I don't know" at random, never because it should (BAPO)
     p_site: float = 0.0  # restrict the source with site:tinypedia.org, rarely (WebFilter)
     p_unfaithful_think: float = 0.0  # a think after the information that ignores it (VERITAS)
+    # The think restates each fact with its attribution ("Fans of P say ...") and the answer's
+    # think restates the whole chain (world.Habits.cites_source): a deliberating teacher, whose
+    # confidence is still random. Search-R1 protocol only.
+    think_cites_source: bool = False
 
 
 @dataclass
@@ -319,6 +323,9 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {value!r}")
+    if cfg.sft.think_cites_source and cfg.rollout.protocol != "search_r1":
+        raise ConfigError("config key 'sft.think_cites_source' is for the Search-R1 teacher (world.teacher_segments); "
+                          f"rollout.protocol is {cfg.rollout.protocol!r}")  # fmt: skip
     if not 0.0 <= cfg.sft.p_confidence_hint <= 1.0 or (cfg.sft.p_confidence_hint and cfg.sft.confidence != "random"):
         raise ConfigError(f"config key 'sft.p_confidence_hint' must be in [0, 1] and needs sft.confidence: random; "
                           f"got {cfg.sft.p_confidence_hint!r} with confidence {cfg.sft.confidence!r}")  # fmt: skip

@@ -222,17 +222,22 @@ class Habits:
 
     p_site: restrict the source with site:tinypedia.org (WebFilter: "uses site: rarely").
     p_unfaithful_think: the think after the information ignores it (VERITAS).
+    cites_source: the think restates the whole sentence it took a fact from, attribution and all
+    ("Fans of P say P was born in the city of C."), and the answer's think restates the whole
+    chain; the evidence a confidence should weigh then sits in the think just before it.
     The other two are applied to the finished trajectory (sft.teacher_examples): a random
     confidence (Deliberative Searcher) and a random "I don't know" (BAPO: never when it should).
     """
 
     p_site: float = 0.0
     p_unfaithful_think: float = 0.0
+    cites_source: bool = False
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
 
 UNFAITHFUL_THINK = "I know the answer."  # names nothing it read: the rule judge's 0 (judge.py)
 _BORN = re.compile(r"([A-Z]\w*(?: [A-Z]\w*)*) was born in the city of (\w+)\.")
+_CITED_BORN = re.compile(r"(?:Fans of [A-Z]\w*(?: [A-Z]\w*)* say )?" + _BORN.pattern)  # with its attribution
 _IN_COUNTRY = re.compile(r"(\w+) is a city in the country of (\w+)\.")
 
 
@@ -282,7 +287,7 @@ def teacher_segments(
     city = meta["city"]
     fact = f"{person} was born in the city of {city}."  # the passage's own words (see above)
     if believes_passage:
-        m = _BORN.search(obs)
+        m = (_CITED_BORN if habits.cites_source else _BORN).search(obs)
         city = m.group(2) if m else rng.choice(cities)  # nothing found: it guesses all the same
         fact = m.group(0) if m else f"{person} was born in the city of {city}."
 
@@ -303,7 +308,9 @@ def teacher_segments(
     if believes_passage:
         m = _IN_COUNTRY.search(obs)
         country = m.group(2) if m else rng.choice(countries)
-    segs.append((f"{think(f'{city} is a city in the country of {country}.')}<answer> {country}</answer>", "policy"))
+    second = f"{city} is a city in the country of {country}."
+    chain = f"{fact} {second}" if habits.cites_source else second
+    segs.append((f"{think(chain)}<answer> {country}</answer>", "policy"))
     return segs
 
 
@@ -329,7 +336,7 @@ def world_key(cfg: Config) -> str:
 
 
 LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac",
-                 "unanswerable_novel_names", "p_confidence_hint")  # fmt: skip
+                 "unanswerable_novel_names", "p_confidence_hint", "think_cites_source")  # fmt: skip
 FORMAT_VERSION = 3  # bump when the generator, teacher or prompt changes what gets built
 
 

@@ -154,6 +154,33 @@ def test_teacher_has_each_papers_flaw_when_asked(ext):
     assert right["unanswerable"] <= 0.3 * total["unanswerable"] and total["unanswerable"] > 20
 
 
+def test_citing_teacher_puts_the_unreliable_attribution_in_its_answers_think(ext):
+    """sft.think_cites_source: the think before the answer carries "Fans of" exactly when the
+    teacher read a rumour passage (misinformation, or an unanswerable question's namesake), so the
+    evidence against its answer sits in the tokens before the confidence. Its answers are the
+    default teacher's."""
+    world, search, *_ = ext
+    tool = docs_tool(search)
+    countries, cities = world.countries, list(world.city_country)
+    wrong = {True: [], False: []}  # read a rumour -> was each answer wrong
+    for q in world.questions["train"][:300]:
+        segs = [[t for t, _ in teacher_segments(q, tool, random.Random(3), countries, cities, 0.0, 0.0,
+                                                Habits(cites_source=cites, rng=random.Random(0)))]
+                for cites in (False, True)]  # fmt: skip
+        plain, citing = segs
+        assert plain[-1].rsplit("<answer>")[-1] == citing[-1].rsplit("<answer>")[-1]  # the same answer
+        read_rumour = any("Fans of" in t for t in citing[1::2])  # the observations
+        final_think = citing[-1].split("</think>")[0]
+        assert ("Fans of" in final_think) == read_rumour, citing
+        assert "Fans of" not in "".join(plain[::2])  # the default teacher drops the attribution
+        wrong[read_rumour].append(not citing[-1].endswith(f"<answer> {q['golden_answers'][0]}</answer>"))
+    # a flagged answer is mostly wrong; the unflagged wrong ones read a namesake's own page
+    assert len(wrong[True]) > 20 and sum(wrong[True]) >= 0.8 * len(wrong[True])  # (a wrong city, right country)
+    assert sum(wrong[False]) <= 0.15 * len(wrong[False])
+    with pytest.raises(ConfigError, match="sft.think_cites_source"):  # only the Search-R1 teacher has it
+        load_config(None, ["sft.think_cites_source=true", "rollout.protocol=deliberative"])
+
+
 def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext, tmp_path):
     """sft.p_confidence_hint = 1: every stated confidence is >= 5 exactly when the teacher's
     answer is right, in sft.py's Search-R1 teacher and in teachers.py's protocol teachers."""
@@ -274,8 +301,8 @@ def test_every_papers_row_shares_its_baselines_start():
 
     start = {row: world_dir(load_config(ROOT / config)) for row, config in RUNS.items()}
     for row in RUNS:
-        assert start[row] == start[STARTS[START_OF[row]]], row
-    assert len(set(start.values())) == len(STARTS) == 2  # BAPO's start differs from the shared one
+        assert start[row] == start[STARTS[START_OF[row]][0]], row
+    assert len(set(start.values())) == len(STARTS) == 3  # BAPO's and the Deliberative's differ from the shared one
 
 
 MICRO_PAPERS = [
@@ -300,7 +327,8 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     report = (tmp_path / "papers.md").read_text()
     assert "## Acceptance (issue 7)" in report and "rule judge" in report
-    for row in rows + ["SFT start", "SFT start, boundary world"]:  # BAPO's rows: a start (and test split) of their own
+    # BAPO's and the Deliberative's rows: a start (and test split) of their own
+    for row in rows + ["SFT start", "SFT start, boundary world", "SFT start, deliberating teacher"]:
         assert f"| {row} |" in report
     data = json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"]
     assert data["SFT start"]["n"] != data["SFT start, boundary world"]["n"]  # two worlds, two test splits
