@@ -4,16 +4,13 @@ results/tiny_papers.md with curves.
     python eval.py reproduce --world papers                 # 9 configs x 3 seeds, 2 runs at a time
     python eval.py reproduce --world papers --seeds 0 --set train.steps=2 --out /tmp/papers.md  # smoke
 
-The runs start from three SFT policies (cached in cache/), each with its plain GRPO baseline:
+The runs start from two SFT policies (cached in cache/), each with its plain GRPO baseline:
 - configs/tiny_papers.yaml: the tiny world with unanswerable and misinformation questions
   (world.py) and a Search-R1-format teacher that has each paper's flaw (world.Habits: random
   confidence, IDK only at random, site: rarely, a think that ignores what it read);
 - configs/tiny_papers_boundary.yaml, the "boundary world" of BAPO's rows: a third of the
   questions ask about people no passage names (the search finds no namesake), no misinformation,
   and the teacher's random IDK more often.
-- configs/tiny_papers_deliberative.yaml, the Deliberative Searcher's: the papers' world, with a
-  teacher whose thinks restate each fact with its source's attribution ("Fans of P say ..."),
-  its confidence still random.
 Each paper's config changes the reward, nothing else, so every row is compared with the plain
 GRPO baseline (EM reward) from the same start:
 
@@ -47,11 +44,9 @@ from reproduce import ROOT, finish_report, last_checkpoint, mean_spread, train_r
 
 BASELINE = "GRPO baseline (EM)"
 BOUNDARY_BASELINE = "GRPO baseline (EM), boundary world"
-DELIBERATIVE_BASELINE = "GRPO baseline (EM), deliberating teacher"
 RUNS = {  # row -> config
     BASELINE: "configs/tiny_papers.yaml",
     BOUNDARY_BASELINE: "configs/tiny_papers_boundary.yaml",
-    DELIBERATIVE_BASELINE: "configs/tiny_papers_deliberative.yaml",
     "Search-R1: no retrieved-token mask": "configs/tiny_search_r1_nomask.yaml",
     "Deliberative: Lagrangian": "configs/tiny_deliberative.yaml",
     "Deliberative: fixed λ = 0.1": "configs/tiny_deliberative_fixed.yaml",
@@ -61,16 +56,12 @@ RUNS = {  # row -> config
     "VERITAS": "configs/tiny_veritas.yaml",
 }
 SFT_ROW, BOUNDARY_SFT_ROW = "SFT start", "SFT start, boundary world"
-DELIBERATIVE_SFT_ROW = "SFT start, deliberating teacher"
-# an SFT start -> (the baseline row that builds it, its evaluation's directory in the run dir)
-STARTS = {SFT_ROW: (BASELINE, "start"), BOUNDARY_SFT_ROW: (BOUNDARY_BASELINE, "start-boundary"),
-          DELIBERATIVE_SFT_ROW: (DELIBERATIVE_BASELINE, "start-deliberative")}  # fmt: skip
+STARTS = {SFT_ROW: BASELINE, BOUNDARY_SFT_ROW: BOUNDARY_BASELINE}  # an SFT start -> the baseline row that builds it
 # paper -> (its SFT start, rows, [(metric, label)], the validation series of its curve)
 PAPERS = {
     "Search-R1": (SFT_ROW, [BASELINE, "Search-R1: no retrieved-token mask"],
                   [("em", "EM"), ("em_2hop", "EM 2-hop"), ("searches_2hop", "searches / 2-hop q")], "em_2hop"),
-    "Deliberative Searcher": (DELIBERATIVE_SFT_ROW,
-                              [DELIBERATIVE_BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1"],
+    "Deliberative Searcher": (SFT_ROW, [BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1"],
                               [("ds_reliability", "reliability"), ("ds_false_certain", "false-certain"),
                                ("em", "EM")], "ds_reliability"),
     "BAPO": (BOUNDARY_SFT_ROW, [BOUNDARY_BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"],
@@ -199,10 +190,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     rows_run = args.only or list(RUNS)
     starts = [start for start in STARTS if any(START_OF[row] == start for row in rows_run)]
-    start_dir = {start: world_dir(load_config(RUNS[STARTS[start][0]], args.set)) for start in starts}
+    start_dir = {start: world_dir(load_config(RUNS[STARTS[start]], args.set)) for start in starts}
     for row in rows_run:  # a paper's row must share its baseline's start, or the comparison means nothing
         if world_dir(load_config(RUNS[row], args.set)) != start_dir[START_OF[row]]:
-            parser.error(f"{RUNS[row]} builds a different SFT start than {RUNS[STARTS[START_OF[row]][0]]}: "
+            parser.error(f"{RUNS[row]} builds a different SFT start than {RUNS[STARTS[START_OF[row]]]}: "
                          "a row's config may change the reward, not the world or the SFT")  # fmt: skip
     t_start = time.time()
     run_dir = Path(args.run_dir or f"runs/papers-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -213,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)  # fmt: skip
     t0 = time.time()
     for start in starts:
-        subprocess.run([sys.executable, "world.py", "--config", RUNS[STARTS[start][0]], *sets], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "world.py", "--config", RUNS[STARTS[start]], *sets], cwd=ROOT, check=True)
     timings["worlds + SFT starts"] = time.time() - t0
     # seed-major: every row's first seed finishes first (a look at all papers early)
     jobs = [((row, seed), f"{Path(RUNS[row]).stem.replace('_', '-')}-seed{seed}", RUNS[row], [f"train.seed={seed}"])
@@ -230,9 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         models = [f"{start}={start_dir[start] / 'policy'}"]
         models += [f"{row} seed{seed}={last_checkpoint(info['run'])}" for (row, seed), info in done.items()
                    if START_OF[row] == start]  # fmt: skip
-        out = run_dir / "eval" / STARTS[start][1]
+        out = run_dir / "eval" / ("start" if start == SFT_ROW else "start-boundary")
         test_files[start] = start_dir[start] / "test.jsonl"
-        cmd = [sys.executable, "eval.py", "--config", RUNS[STARTS[start][0]], *sets,
+        cmd = [sys.executable, "eval.py", "--config", RUNS[STARTS[start]], *sets,
                *sum((["--model", m] for m in models), []), "--datasets", str(test_files[start]),
                "--columns", *columns, "--judge-url", "rule", "--out", str(out)]  # fmt: skip
         subprocess.run(cmd, cwd=ROOT, check=True)
@@ -276,8 +267,6 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         "paper's rows start from the same SFT policy as its GRPO baseline, and change only the reward",
         "(configs/tiny_<paper>.yaml). BAPO's rows start in the boundary world (configs/tiny_papers_boundary.yaml:",
         "a third of the questions ask about people no passage names, the teacher's random IDK 15%).",
-        "The Deliberative Searcher's rows start from a teacher whose thinks restate each fact with its",
-        "source's attribution (configs/tiny_papers_deliberative.yaml; its confidence is still random).",
         "Faithfulness (info-think) and WebFilter's c are scored by the **rule judge** (judge.RuleJudge), not an LLM.",
         "",
         "## Acceptance (issue 7), from the means below",

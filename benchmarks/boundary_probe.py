@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def teacher_text(cfg, question: dict, tool, rng: random.Random) -> str:
-    """Prompt + the teacher's whole trajectory (no habits: it believes what it reads), ending
-    with "<answer> X</answer>"."""
+    """Prompt + the teacher's whole trajectory (no flaws: it believes what it reads; its thinks
+    cite their sources when the config's teacher does), ending with "<answer> X</answer>"."""
     from rollout import render_prompt
-    from world import teacher_segments
+    from world import Habits, teacher_segments
 
-    segs = teacher_segments(question, tool, rng, [], [], 0.0, 0.0)
+    segs = teacher_segments(question, tool, rng, [], [], 0.0, 0.0, Habits(cites_source=cfg.sft.think_cites_source))
     return render_prompt(question["question"], cfg.rollout.prompt_template) + "".join(s for s, _ in segs)
 
 

@@ -301,8 +301,8 @@ def test_every_papers_row_shares_its_baselines_start():
 
     start = {row: world_dir(load_config(ROOT / config)) for row, config in RUNS.items()}
     for row in RUNS:
-        assert start[row] == start[STARTS[START_OF[row]][0]], row
-    assert len(set(start.values())) == len(STARTS) == 3  # BAPO's and the Deliberative's differ from the shared one
+        assert start[row] == start[STARTS[START_OF[row]]], row
+    assert len(set(start.values())) == len(STARTS) == 2  # BAPO's start differs from the shared one
 
 
 MICRO_PAPERS = [
@@ -327,8 +327,7 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     report = (tmp_path / "papers.md").read_text()
     assert "## Acceptance (issue 7)" in report and "rule judge" in report
-    # BAPO's and the Deliberative's rows: a start (and test split) of their own
-    for row in rows + ["SFT start", "SFT start, boundary world", "SFT start, deliberating teacher"]:
+    for row in rows + ["SFT start", "SFT start, boundary world"]:  # BAPO's rows: a start (and test split) of their own
         assert f"| {row} |" in report
     data = json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"]
     assert data["SFT start"]["n"] != data["SFT start, boundary world"]["n"]  # two worlds, two test splits
