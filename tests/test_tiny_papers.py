@@ -175,7 +175,7 @@ def test_citing_teacher_puts_the_unreliable_attribution_in_its_answers_think(ext
         assert "Fans of" not in "".join(plain[::2])  # the default teacher drops the attribution
         wrong[read_rumour].append(not citing[-1].endswith(f"<answer> {q['golden_answers'][0]}</answer>"))
     # a flagged answer is mostly wrong; the unflagged wrong ones read a namesake's own page
-    assert len(wrong[True]) > 20 and sum(wrong[True]) >= 0.8 * len(wrong[True])  # (a wrong city, right country)
+    assert len(wrong[True]) > 20 and sum(wrong[True]) >= 0.8 * len(wrong[True])  # a wrong city may share the country
     assert sum(wrong[False]) <= 0.15 * len(wrong[False])
     with pytest.raises(ConfigError, match="sft.think_cites_source"):  # only the Search-R1 teacher has it
         load_config(None, ["sft.think_cites_source=true", "rollout.protocol=deliberative"])
