@@ -236,8 +236,9 @@ class Habits:
 
 
 UNFAITHFUL_THINK = "I know the answer."  # names nothing it read: the rule judge's 0 (judge.py)
-_BORN = re.compile(r"([A-Z]\w*(?: [A-Z]\w*)*) was born in the city of (\w+)\.")
-_CITED_BORN = re.compile(r"(?:Fans of [A-Z]\w*(?: [A-Z]\w*)* say )?" + _BORN.pattern)  # with its attribution
+_NAME = r"[A-Z]\w*(?: [A-Z]\w*)*"  # a person's capitalised names
+_BORN = re.compile(rf"({_NAME}) was born in the city of (\w+)\.")
+_CITED_BORN = re.compile(rf"(?:Fans of {_NAME} say )?" + _BORN.pattern)  # with its attribution
 _IN_COUNTRY = re.compile(r"(\w+) is a city in the country of (\w+)\.")
 
 
