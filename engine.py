@@ -77,6 +77,24 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP")  # fmt: skip
 
 
+def cpu_kv_cache_size(fraction: float) -> dict:
+    """On vLLM CPU, the KV cache as `fraction` of the host's RAM, in bytes (empty on a GPU).
+
+    vLLM CPU sizes it as fraction x the memory of the NUMA node the process runs on, minus the
+    process' own RSS. Some VMs report a node far smaller than the host (seen: node 0 8.3 GiB of
+    23 GiB), so 0.1 of it is less than the RSS and vLLM refuses to start ("less than requested
+    memory for kv (-0.01/0.83 GiB)"). Sized from the host instead, the same setting means the
+    same on every machine (the tests start their engines at 0.05-0.1 of it).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    import psutil
+
+    return {"kv_cache_memory_bytes": int(fraction * psutil.virtual_memory().total)}
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0,
                  separate_process: bool = False):  # fmt: skip
@@ -118,6 +136,7 @@ class VLLMEngine:
                 max_num_batched_tokens=max(8192, cfg.max_model_len),
                 **extension,
                 **({"enable_sleep_mode": True} if cfg.sleep_mode else {}),
+                **cpu_kv_cache_size(cfg.gpu_memory_utilization),
             )
         finally:
             os.environ.update(saved)
