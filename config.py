@@ -142,7 +142,7 @@ class RolloutConfig:
     max_obs_tokens: int = 200  # observation budget, cut inside the tags (DESIGN §7)
     temperature: float = 1.0
     top_p: float = 1.0
-    gpu_memory_utilization: float = 0.3  # vLLM CPU reserves host RAM from this (DESIGN §6)
+    gpu_memory_utilization: float = 0.3  # GPU: vLLM's share; CPU: the KV cache's share of host RAM (engine.py)
     sleep_mode: bool = False  # vLLM sleeps (weights offloaded, KV cache freed) while training; CUDA only
     max_model_len: int = 1024
     # Prompt with a {question} slot; empty = Search-R1's full instruction (rollout.py). The tiny
