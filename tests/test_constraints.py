@@ -50,6 +50,17 @@ def test_lambda_rises_while_violated_and_falls_once_met():
     assert all(b < a for a, b in zip(history[10:20], history[11:21]))
 
 
+def test_lambda_max_bounds_the_dual_variable_and_it_still_falls_once_met():
+    bounded, free = parse_constraints([RELIABILITY | {"warmup_frac": 0, "lambda0": 0.5, "eta": 0.5, "lambda_max": 0.8},
+                                       RELIABILITY | {"warmup_frac": 0, "lambda0": 0.5, "eta": 0.5}])  # fmt: skip
+    switch_on([bounded, free], 0, 10)
+    for _ in range(20):  # U = 0.5 < a: x1.22 a step, past 0.9 (where eq. 6 pays a wrong answer) by step 3
+        dual_update(bounded, 0.5), dual_update(free, 0.5)
+    assert bounded.lam == 0.8 and free.lam == pytest.approx(0.5 * math.exp(0.5 * 0.4 * 20))
+    assert reward_params([bounded], {}) == {"lam": 0.8}
+    assert dual_update(bounded, 1.0) == pytest.approx(0.8 * math.exp(-0.05))  # met: it shrinks from the bound
+
+
 def test_upper_bound_direction_flips_the_sign():
     (c,) = parse_constraints([{"name": "len", "stat": "reward/length", "threshold": 100, "direction": "<=",
                                "warmup_frac": 0, "eta": 0.01}])  # fmt: skip
@@ -93,6 +104,7 @@ def test_param_constraints_do_not_touch_rewards():
         ({"name": "a", "stat": "reward/x", "direction": ">"}, "direction must be"),
         ({"name": "a", "stat": "reward/x", "measure": "test"}, "measure must be"),
         ({"name": "a", "stat": "reward/x", "lambda0": 0}, "lambda0 must be > 0"),
+        ({"name": "a", "stat": "reward/x", "lambda0": 0.5, "lambda_max": 0.1}, r"lambda_max \(0.1\) must be >="),
         ("reliability >= 0.9", "must be a mapping"),
     ],
 )
