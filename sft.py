@@ -253,7 +253,8 @@ def sft_train(
         history.append(loss.item())
         if step % 20 == 0:
             bar.set_postfix(loss=f"{sum(history[-20:]) / len(history[-20:]):.3f}")
-        if probe is not None and scfg.probe_every and ((step + 1) % scfg.probe_every == 0 or step + 1 == scfg.steps):
+        at_probe = step + 1 == scfg.steps or (scfg.probe_every and (step + 1) % scfg.probe_every == 0)
+        if probe is not None and at_probe:  # probe_every 0: only at the end, so the copy warning still runs
             probes.append({"step": step + 1, "copy_acc": probe(model)})
             bar.write(f"sft step {step + 1}: held-out copy accuracy {probes[-1]['copy_acc']:.2f}")
     model.eval()
