@@ -355,6 +355,15 @@ def copy_probe(cfg: Config, world_path: Path, tool, tokenizer, n: int = 200):
 MIN_COPY_ACC = 0.5
 
 
+def warn_if_it_cannot_copy(policy_dir: Path) -> None:
+    """Say on stderr when a built start's last copy probe (its DONE summary) is below MIN_COPY_ACC."""
+    probes = json.loads((policy_dir / "DONE").read_text()).get("copy_acc") or []
+    if probes and probes[-1]["copy_acc"] < MIN_COPY_ACC:
+        print(f"WARNING: {policy_dir} copies the city off the passage on {probes[-1]['copy_acc']:.0%} of held-out "
+              f"questions (< {MIN_COPY_ACC:.0%}): RL from it searches in vain. Copying is learnt in a jump "
+              f"(DESIGN.md §10); raise sft.steps.", file=sys.stderr)  # fmt: skip
+
+
 def ensure_tiny_policy(cfg: Config) -> Path:
     """Build world, tokenizer and SFT policy once per config key; return the policy dir."""
     from world import ensure_world_data, world_dir
@@ -362,6 +371,7 @@ def ensure_tiny_policy(cfg: Config) -> Path:
     out = world_dir(cfg)
     policy_dir = out / "policy"
     if (policy_dir / "DONE").exists():
+        warn_if_it_cannot_copy(policy_dir)
         return policy_dir
     t0 = time.time()
     torch.manual_seed(cfg.world.seed)
@@ -398,10 +408,7 @@ def ensure_tiny_policy(cfg: Config) -> Path:
         for step, loss in enumerate(history):
             f.write(json.dumps({"step": step, "loss": loss}) + "\n")
     (policy_dir / "DONE").write_text(json.dumps(summary))
-    if probes and probes[-1]["copy_acc"] < MIN_COPY_ACC:
-        print(f"WARNING: {policy_dir} copies the city off the passage on {probes[-1]['copy_acc']:.0%} of held-out "
-              f"questions (< {MIN_COPY_ACC:.0%}): RL from it searches in vain. Copying is learnt in a jump "
-              f"(DESIGN.md §10); raise sft.steps.", file=sys.stderr)  # fmt: skip
+    warn_if_it_cannot_copy(policy_dir)
     return policy_dir
 
 

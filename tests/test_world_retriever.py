@@ -99,7 +99,7 @@ def test_missing_or_malformed_corpus_names_the_path_and_line(tmp_path):
 def test_an_sft_start_that_has_not_learnt_to_copy_is_flagged(tmp_path):
     """Too few SFT steps leave a policy that cannot read the city off a passage (copying is
     learnt in a jump, DESIGN.md §10): world.py still caches it, and says so on stderr, also
-    when the periodic probe is off (sft.probe_every 0)."""
+    when the periodic probe is off (sft.probe_every 0) and again when the cached start is reused."""
     import subprocess
     import sys
 
@@ -107,10 +107,13 @@ def test_an_sft_start_that_has_not_learnt_to_copy_is_flagged(tmp_path):
 
     sft = {"steps": 10, "warmup_steps": 2, "probe_every": 0}  # 0: probed only at the end
     path = write_micro_config(tmp_path / "c.yaml", tmp_path / "cache", sft=sft)
-    out = subprocess.run([sys.executable, str(ROOT / "world.py"), "--config", str(path)],
-                         capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
+    built, cached = [subprocess.run([sys.executable, str(ROOT / "world.py"), "--config", str(path)],
+                                    capture_output=True, text=True, cwd=ROOT) for _ in range(2)]  # fmt: skip
+    assert built.returncode == cached.returncode == 0, built.stderr[-2000:] + cached.stderr[-2000:]
     summary = json.loads(next((tmp_path / "cache").glob("tiny-*/sft_summary.json")).read_text())
     assert [p["step"] for p in summary["copy_acc"]] == [10]
     acc = summary["copy_acc"][-1]["copy_acc"]
-    assert acc < 0.5 and f"copies the city off the passage on {acc:.0%} of held-out" in out.stderr
+    assert acc < 0.5
+    for out in (built, cached):  # the cached start is flagged again
+        assert f"copies the city off the passage on {acc:.0%} of held-out" in out.stderr
+    assert "sft step" in built.stderr + built.stdout and "sft step" not in cached.stderr + cached.stdout
