@@ -82,10 +82,10 @@ def cpu_kv_cache_size(fraction: float) -> dict:
 
     vLLM CPU sizes it as fraction x the memory of the NUMA node the process runs on, minus the
     process' own RSS. Some VMs report a node far smaller than the host (seen: node 0 8.3 GiB of
-    23 GiB 15-20 min after boot, the full 23 GiB 95 min after), so 0.1 of it is less
-    than the RSS and vLLM refuses to start ("less than requested memory for kv (-0.01/0.83 GiB)").
-    Sized from the host instead, the same setting means the same on every machine (the tests
-    start their engines at 0.05-0.1 of it).
+    23 GiB 15-20 min after boot, all 23 GiB 95 min after), so 0.1 of it is less than the RSS and
+    vLLM refuses to start ("less than requested memory for kv (-0.01/0.83 GiB)"). Sized from the
+    host instead, the same setting means the same on every machine (the tests start their engines
+    at 0.05-0.1 of it).
     """
     from vllm.platforms import current_platform
 
