@@ -91,8 +91,9 @@ class SFTConfig:
     # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
     p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop
     p_no_search: float = 0.1  # answer without searching at all
-    # "random": the teacher writes <confidence>N</confidence> before each answer with N drawn
-    # uniformly from 1-10, uncorrelated with being right (what Deliberative Searcher's RL fixes)
+    # "random": the teacher writes <confidence>N</confidence> before each answer (after it with
+    # rollout.confidence_after_answer) with N drawn uniformly from 1-10, uncorrelated with being
+    # right (what Deliberative Searcher's RL fixes)
     confidence: str = ""
     # With "random": the share of answers whose confidence is instead drawn from the half that
     # matches the teacher's own correctness (5-10 if right, 1-4 if wrong): a weak calibration
@@ -154,6 +155,10 @@ class RolloutConfig:
     chat_template: bool = False  # instruct models: the prompt goes through tokenizer.apply_chat_template
     max_queries_per_call: int = 3  # webfilter: queries run per tool call (our choice); the rest are dropped
     allow_idk: bool = False  # reliable prompt (BAPO §3.2): the instructions allow "I don't know"
+    # After </answer> the policy writes <confidence> n </confidence> in the same turn: the "final
+    # answer annotated with that confidence" of Deliberative Searcher §1, read by the rewards. The
+    # tiny world's teachers (sft.confidence) then write the confidence there instead of before.
+    confidence_after_answer: bool = False
 
 
 @dataclass

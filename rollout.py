@@ -11,6 +11,7 @@ the token bookkeeping below are the same for all. Search-R1, the default:
              "\\n<information>Doc 1(Title: Tavi Morek) ...</information>\\n" is appended
     turn 2:  policy writes "<think>..</think><answer>Velor</answer>" -> stop on `</answer>`
     the last turn (max_turns) may not search: a search there ends the rollout, unanswered.
+    with rollout.confidence_after_answer, an answering turn goes on to "<confidence> 3</confidence>".
     a malformed action (other protocols) gets an "invalid action" observation and costs a turn.
 
 Prompts: a plain prompt for base models; with `rollout.chat_template` the tokenizer's own chat
@@ -194,6 +195,7 @@ def rollout_batch(
             seeds=[zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}".encode()) for s in active],
         )
         pending: list[tuple[_State, dict]] = []
+        answered: list[_State] = []
         for s, out in zip(active, outs):
             s.turns = turn
             start = len(s.response_ids)
@@ -205,6 +207,7 @@ def rollout_batch(
             act = proto.parse(text, cfg)  # {"kind": "answer" | "act" | "none", "calls", "error"}
             if act["kind"] == "answer":
                 s.finish = "answer"
+                answered.append(s)
             elif act["kind"] == "act":
                 if turn == cfg.max_turns:
                     s.finish = "max_turns"  # the final turn may not search
@@ -214,6 +217,8 @@ def rollout_batch(
                     pending.append((s, act))
             else:
                 s.finish = "length" if out.finish_reason == "length" else "eos"
+        if answered and cfg.confidence_after_answer:
+            _annotate_confidence(engine, tokenizer, answered, cfg, greedy, seed, turn)
         if pending:
             results = _run_tools(tools, [act for _, act in pending])  # one batched call per tool
             for (s, act), res in zip(pending, results):
@@ -231,6 +236,34 @@ def rollout_batch(
     for s in states:
         s.finish = s.finish or "max_turns"
     return [_record(s, tokenizer, proto) for s in states]
+
+
+def _annotate_confidence(engine, tokenizer, states: list[_State], cfg: RolloutConfig, greedy: bool, seed: int,
+                         turn: int) -> None:  # fmt: skip
+    """rollout.confidence_after_answer: the answering turn goes on until </confidence>.
+
+    The continuation is the policy's own (loss_mask 1, its logprobs), part of the same turn and
+    chunk: "<answer> Velor</answer>" becomes "<answer> Velor</answer><confidence> 3</confidence>".
+    A rollout without room for it keeps its answer; the reward then finds no confidence.
+    """
+    room = [cfg.max_model_len - len(s.prompt_ids) - len(s.response_ids) for s in states]
+    states = [s for s, r in zip(states, room) if r >= 1]
+    if not states:
+        return
+    outs = engine.generate(
+        [s.prompt_ids + s.response_ids for s in states],
+        max_tokens=[min(cfg.max_tokens_per_turn, r) for r in room if r >= 1],
+        temperature=0.0 if greedy else cfg.temperature,
+        top_p=1.0 if greedy else cfg.top_p,
+        stop=["</confidence>"],
+        seeds=[zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}|confidence".encode()) for s in states],
+    )
+    for s, out in zip(states, outs):
+        s.response_ids += out.token_ids
+        s.loss_mask += [1] * len(out.token_ids)
+        s.logprobs += out.logprobs
+        s.chunks[-1]["text"] += tokenizer.decode(out.token_ids, skip_special_tokens=False)
+        s.chunks[-1]["end"] = len(s.response_ids)
 
 
 def _run_tools(tools: dict, acts: list[dict]) -> list[list]:

@@ -305,8 +305,12 @@ def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str
         if cfg.sft.confidence == "random":  # Deliberative Searcher's format, stated at random
             right = exact_match(last_block(segs[-1][0], "answer"), q["golden_answers"]) == 1.0
             conf = hinted_confidence(confidence_rng, right, cfg.sft.p_confidence_hint, confidence_rng.randint(1, 10))
-            tag = f"<confidence> {conf}</confidence><answer>"
-            segs[-1] = (segs[-1][0].replace("<answer>", tag), segs[-1][1])
+            text = f"<confidence> {conf}</confidence>"
+            if cfg.rollout.confidence_after_answer:  # the answer annotated with it (rollout.py)
+                text = segs[-1][0].replace("</answer>", "</answer>" + text)
+            else:
+                text = segs[-1][0].replace("<answer>", text + "<answer>")
+            segs[-1] = (text, segs[-1][1])
         trajectories.append([(render_prompt(q["question"], cfg.rollout.prompt_template), "prompt")] + segs)
     return trajectories
 

@@ -66,11 +66,14 @@ def draw_flaws(question: dict, sft, seed: int) -> Flaws:
     )
 
 
-def render(protocol: str, think: str, action: str, arg: str, confidence: int | None) -> str:
-    """One turn in the protocol's format: think [confidence] then search / read / answer."""
+def render(protocol: str, think: str, action: str, arg: str, confidence: int | None, after: bool = False) -> str:
+    """One turn in the protocol's format: think [confidence] then search / read / answer; with
+    `after` (rollout.confidence_after_answer) an answer's confidence follows it instead."""
     conf = f"<confidence> {confidence}</confidence>" if confidence is not None else ""
     if action == "answer":
         arg = f"\\boxed{{{arg}}}" if protocol == "bapo" and not arg.startswith("\\boxed") else arg
+        if after:
+            return f"<think> {think}</think><answer> {arg}</answer>{conf}"
         if protocol != "deliberative":  # Search-R1 style: the confidence sits before the answer
             return f"<think> {think}</think>{conf}<answer> {arg}</answer>"
     if action == "search" and protocol == "webfilter":
@@ -80,7 +83,8 @@ def render(protocol: str, think: str, action: str, arg: str, confidence: int | N
 
 
 def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countries: list[str],
-              cities: list[str], confidence: bool, confidence_hint: float = 0.0) -> str:  # fmt: skip
+              cities: list[str], confidence: bool, confidence_hint: float = 0.0,
+              confidence_after: bool = False) -> str:  # fmt: skip
     """The teacher's next turn given the response so far (everything after the prompt)."""
     meta, rng = question["metadata"], flaws.rng
     person, two_hop = meta["person"], meta["type"] == "2hop"
@@ -93,7 +97,7 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
         value = (IDK.get(protocol, "I don't know")) if flaws.idk else value
         right = exact_match(value, question["golden_answers"]) == 1.0
         conf = None if final_conf is None else hinted_confidence(rng, right, confidence_hint, final_conf)
-        return render(protocol, think, "answer", value, conf)
+        return render(protocol, think, "answer", value, conf, confidence_after)
 
     if flaws.no_search:
         guess = rng.choice(countries if two_hop else cities)
@@ -152,9 +156,10 @@ class TeacherEngine:
     """engine.py's interface, answered by `next_turn` for the question named in the prompt."""
 
     def __init__(self, protocol: str, questions: list[dict], sft, seed: int, countries: list[str], cities: list[str],
-                 confidence: bool):  # fmt: skip
+                 confidence: bool, confidence_after: bool = False):  # fmt: skip
         self.protocol, self.countries, self.cities, self.confidence = protocol, countries, cities, confidence
-        self.confidence_hint = sft.p_confidence_hint
+        self.confidence_hint, self.confidence_after = sft.p_confidence_hint, confidence_after
+        self.held: dict[str, str] = {}  # question id -> what follows </answer>, for the continuation
         self.by_text = {q["question"].strip(): q for q in questions}
         self.flaws = {q["id"]: draw_flaws(q, sft, seed) for q in questions}
         self.tok = CharTokenizer()
@@ -165,8 +170,13 @@ class TeacherEngine:
             text = self.tok.decode(ids)
             head, _, response = text.partition("\n")  # the plain prompt is one line ending in the question
             question = self.by_text[head.rsplit("Question: ", 1)[1].strip()]
-            turn = next_turn(self.protocol, question, response, self.flaws[question["id"]], self.countries,
-                             self.cities, self.confidence, self.confidence_hint)  # fmt: skip
+            if response.endswith("</answer>"):  # rollout.confidence_after_answer's continuation
+                turn = self.held.pop(question["id"], "")
+            else:
+                turn = next_turn(self.protocol, question, response, self.flaws[question["id"]], self.countries,
+                                 self.cities, self.confidence, self.confidence_hint, self.confidence_after)  # fmt: skip
+                turn, cut, self.held[question["id"]] = turn.partition("</answer>")  # a real engine stops there
+                turn += cut
             out.append(_Out(self.tok.encode(turn), [0.0] * len(turn)))
         return out
 
@@ -177,7 +187,7 @@ def teacher_rollouts(cfg, questions: list[dict], tools, countries: list[str], ci
     from rollout import rollout_batch
 
     engine = TeacherEngine(cfg.rollout.protocol, questions, cfg.sft, cfg.world.seed, countries, cities,
-                           cfg.sft.confidence == "random")  # fmt: skip
+                           cfg.sft.confidence == "random", cfg.rollout.confidence_after_answer)  # fmt: skip
     # lengths count characters here: no budget cuts the teacher (the tiny world's observations are
     # far below max_obs_tokens real tokens); max_turns is the config's, so the RL rollouts match
     rcfg = replace(cfg.rollout, max_model_len=10**6, max_obs_tokens=10**6, max_tokens_per_turn=10**6)

@@ -327,6 +327,7 @@ def world_key(cfg: Config) -> str:
         "max_obs_tokens": cfg.rollout.max_obs_tokens,
         "prompt": cfg.rollout.prompt_template,
         **({"protocol": cfg.rollout.protocol} if cfg.rollout.protocol != "search_r1" else {}),  # teachers.py
+        **({"confidence_after_answer": True} if cfg.rollout.confidence_after_answer else {}),  # the teachers
         "format": FORMAT_VERSION,
     }
     r = cfg.retriever  # the teacher's observations come from this retriever

@@ -327,6 +327,32 @@ def test_deliberative_final_confidence_only_scores_full_reward(bpe):
     assert out["reward_components"]["format"] == 1.0 and out["reward"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("protocol", ["search_r1", "deliberative"])
+def test_confidence_after_answer_is_the_policys_own_continuation(bpe, protocol):
+    """rollout.confidence_after_answer: after </answer> the same turn goes on to </confidence>."""
+    turns = ["<think> x</think><search> Tavi Morek</search>", "<think> Velor</think><answer> Velor</answer>",
+             "<confidence> 3</confidence>"]  # fmt: skip
+    (r,), engine, _ = run(bpe, protocol, turns, confidence_after_answer=True)
+    check_bookkeeping(r, bpe, engine)  # the digit is trained (loss_mask 1), its logprobs as sampled
+    assert engine.calls[-1]["stop"] == ["</confidence>"] and engine.calls[-1]["max_tokens"] == [400]
+    assert r["chunks"][-1]["text"].endswith("<answer> Velor</answer><confidence> 3</confidence>")
+    assert (r["finish"], r["turns"], r["answer"]) == ("answer", 2, "Velor")  # no extra turn
+    assert parsed(r).confidence == 3 and parsed(r).format_ok
+    out = score([r], "deliberative", {"lam": 0.5})[0]["reward_components"]
+    assert (out["format"], out["acc"], out["confidence"], out["reliability"]) == (1.0, 1.0, 3.0, 0.0)
+    (plain,), engine, _ = run(bpe, protocol, turns)  # off (the default): the answer ends the rollout
+    assert parsed(plain).confidence is None and len(engine.calls) == 2
+
+
+@pytest.mark.parametrize("continuation", ["<confidence> high</confidence>", "</confidence>", ""])
+def test_a_bad_confidence_after_the_answer_is_a_format_failure(bpe, continuation):
+    turns = ["<think> Velor</think><answer> Velor</answer>", continuation or ("<confidence> 9", "length")]
+    (r,), _, _ = run(bpe, "search_r1", turns, confidence_after_answer=True)
+    assert r["finish"] == "answer" and r["answer"] == "Velor"
+    out = score([r], "deliberative", {"lam": 0.5})[0]
+    assert out["reward_components"]["format"] == 0.0 and out["reward"] == 0.0
+
+
 def test_deliberative_reward_accepts_step_confidences(bpe):
     turns = ["<think> x</think><confidence> 3 </confidence><search> Tavi Morek</search>",
              "<think> Velor</think><confidence> 9 </confidence><answer> Velor </answer>"]  # fmt: skip

@@ -181,9 +181,11 @@ def test_citing_teacher_puts_the_unreliable_attribution_in_its_answers_think(ext
         load_config(None, ["sft.think_cites_source=true", "rollout.protocol=deliberative"])
 
 
-def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext, tmp_path):
+@pytest.mark.parametrize("after", [False, True])
+def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext, tmp_path, after):
     """sft.p_confidence_hint = 1: every stated confidence is >= 5 exactly when the teacher's
-    answer is right, in sft.py's Search-R1 teacher and in teachers.py's protocol teachers."""
+    answer is right, in sft.py's Search-R1 teacher and in teachers.py's protocol teachers; with
+    rollout.confidence_after_answer both write the final confidence after the answer."""
     from dataclasses import replace
 
     from answers import exact_match, parse_response
@@ -193,7 +195,7 @@ def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext
 
     world, search, _, corpus = ext
     qs = world.questions["train"][:80]
-    hint = ["sft.confidence=random", "sft.p_confidence_hint=1"]
+    hint = ["sft.confidence=random", "sft.p_confidence_hint=1", f"rollout.confidence_after_answer={after}"]
     cfg = load_config(None, ["rollout.protocol=deliberative", "rollout.max_turns=6", "retriever.topk=1", *hint])
     recs = teacher_rollouts(cfg, qs, make_search_fn(cfg, corpus, {}), world.countries, list(world.city_country))
     texts = [r["response_text"] for r in recs]
@@ -205,6 +207,10 @@ def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext
     parsed = [parse_response(t) for t in texts]
     right = [exact_match(p.answer, q["golden_answers"]) == 1.0 for p, q in zip(parsed, qs + qs)]
     assert [p.confidence >= 5 for p in parsed] == right and 0 < sum(right) < len(right)
+    assert all(p.format_ok for p in parsed[: len(qs)])  # the rewards' parser takes either place (sft.py's
+    # texts here lack the observation tags, which tokenize_segments adds)
+    ends = [re.search(r"</answer>(<confidence> \d+</confidence>)?$", t) for t in texts]
+    assert all(m and bool(m.group(1)) == after for m in ends)
     for bad in (["sft.p_confidence_hint=0.3"], [*hint[:1], "sft.p_confidence_hint=1.5"]):
         with pytest.raises(ConfigError, match="sft.p_confidence_hint"):
             load_config(None, bad)
