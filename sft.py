@@ -51,12 +51,23 @@ EOS = "<|endoftext|>"
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, extra_tags: list[str] = ()):
-    """Byte-level BPE trained on the world; tags are whole tokens. Saved as a HF tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE trained on the world; tags are whole tokens. Saved as a HF tokenizer.
+
+    It splits text as Qwen2's tokenizer does (its regex: one token per digit, NFC), because that
+    is what `AutoTokenizer.from_pretrained` rebuilds next to our Qwen2 config, for the trainer, eval
+    and vLLM. With GPT-2's split, SFT had learnt " 1" as one token and every later observation
+    (" Doc 1(") came in as two (tests/test_world_retriever.py has the round trip).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -96,6 +96,33 @@ def test_missing_or_malformed_corpus_names_the_path_and_line(tmp_path):
         scan_corpus(bad)
 
 
+def test_the_saved_tiny_tokenizer_loads_as_it_was_trained(tmp_path):
+    """SFT tokenises with the tokenizer it trained; everything after (trainer, eval, vLLM) loads
+    it with AutoTokenizer next to the policy's Qwen2 config, which rebuilds it as Qwen2Tokenizer.
+    Both must give the same ids, digits included (" Doc 1(", dates, ids like p3487), or every
+    observation after SFT is written in tokens the policy never saw."""
+    from transformers import AutoTokenizer
+
+    from config import ModelConfig
+    from rollout import tokenize_segments
+    from sft import build_tiny_model, train_tokenizer
+
+    world = generate_world(WorldConfig(n_people=60, n_cities=12, n_countries=4, n_val=5))
+    texts = [p["contents"] for p in world.corpus]  # + what observations and answers hold: digits after a space
+    texts += [f"Doc {i % 3 + 1}(Title: x) born {1990 + i % 5} [p{i}] I'm <confidence> {i % 10 + 1}" for i in range(300)]
+    trained = train_tokenizer(texts, 400, tmp_path, ["<confidence>", "</confidence>"])
+    build_tiny_model(ModelConfig(vocab_size=400), trained).config.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "Qwen2Tokenizer"  # what the trainer, eval and vLLM get
+    segments = [("Question: Where was Tavi Morek born?\n", "prompt"),
+                ("<think> I need it.</think><search> Tavi Morek born</search>", "policy"),
+                ("Doc 1(Title: Tavi Morek) Tavi Morek was born in 1990. Doc 12(Title: p3487)", "obs"),
+                ("<think> Velor.</think><answer> Velor</answer><confidence> 10</confidence>", "policy")]  # fmt: skip
+    assert tokenize_segments(loaded, segments) == tokenize_segments(trained, segments)
+    for text in texts:
+        assert loaded.encode(text, add_special_tokens=False) == trained.encode(text, add_special_tokens=False)
+
+
 def test_an_sft_start_that_has_not_learnt_to_copy_is_flagged(tmp_path):
     """Too few SFT steps leave a policy that cannot read the city off a passage (copying is
     learnt in a jump, DESIGN.md §10): world.py still caches it, and says so on stderr, also
