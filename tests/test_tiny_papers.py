@@ -47,9 +47,10 @@ def test_extensions_off_leave_every_older_world_and_its_cache_key_unchanged():
         WorldConfig(seed=1, n_people=200, unanswerable_frac=0.0, misinfo_frac=0.0))  # fmt: skip
     assert json.dumps([plain.corpus, plain.questions]) == json.dumps([off.corpus, off.questions])
     assert not any("category" in q["metadata"] for qs in plain.questions.values() for q in qs)
-    # the cached SFT starts of the shipped configs stay valid (results/tiny.md, the Lagrangian runs)
-    assert world_key(load_config(ROOT / "configs/tiny.yaml")) == "5455102d6279"
-    assert world_key(load_config(ROOT / "configs/tiny_lagrangian.yaml")) == "54354768f78a"
+    # the cached SFT starts of the shipped configs stay valid (results/tiny.md, the Lagrangian runs);
+    # world.FORMAT_VERSION 4 (stop 18: the tokenizer splits as Qwen2's) changed them once, on purpose
+    assert world_key(load_config(ROOT / "configs/tiny.yaml")) == "8b3109e0eb78"
+    assert world_key(load_config(ROOT / "configs/tiny_lagrangian.yaml")) == "53ba2c44687a"
 
 
 def test_unanswerable_people_are_absent_from_the_corpus(ext):
