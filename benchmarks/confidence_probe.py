@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def answered(path: str):
-    """(record, all ids, index of the confidence digit) for each answered rollout with one."""
+    """(record, prompt + response ids) for each answered rollout with a confidence after its answer."""
     for line in open(path):
         r = json.loads(line)
         if r.get("finish") != "answer" or "</confidence>" not in r["response_text"].rsplit("</answer>", 1)[-1]:
