@@ -159,7 +159,7 @@ class TeacherEngine:
                  confidence: bool, confidence_after: bool = False):  # fmt: skip
         self.protocol, self.countries, self.cities, self.confidence = protocol, countries, cities, confidence
         self.confidence_hint, self.confidence_after = sft.p_confidence_hint, confidence_after
-        self.held: dict[str, str] = {}  # question id -> what follows </answer>, for the continuation
+        self.held: dict[str, str] = {}  # question id -> the rest of a turn cut at a stop string
         self.by_text = {q["question"].strip(): q for q in questions}
         self.flaws = {q["id"]: draw_flaws(q, sft, seed) for q in questions}
         self.tok = CharTokenizer()
@@ -170,13 +170,14 @@ class TeacherEngine:
             text = self.tok.decode(ids)
             head, _, response = text.partition("\n")  # the plain prompt is one line ending in the question
             question = self.by_text[head.rsplit("Question: ", 1)[1].strip()]
-            if response.endswith("</answer>"):  # rollout.confidence_after_answer's continuation
-                turn = self.held.pop(question["id"], "")
-            else:
-                turn = next_turn(self.protocol, question, response, self.flaws[question["id"]], self.countries,
-                                 self.cities, self.confidence, self.confidence_hint, self.confidence_after)  # fmt: skip
-                turn, cut, self.held[question["id"]] = turn.partition("</answer>")  # a real engine stops there
-                turn += cut
+            turn = self.held.pop(question["id"], "") or next_turn(
+                self.protocol, question, response, self.flaws[question["id"]], self.countries, self.cities,
+                self.confidence, self.confidence_hint, self.confidence_after)  # fmt: skip
+            # as a real engine: stop after the first stop string; the rest is the next call's
+            # (rollout.confidence_after_answer asks for what follows </answer>)
+            ends = [turn.find(s) + len(s) for s in stop if s in turn]
+            if ends:
+                turn, self.held[question["id"]] = turn[: min(ends)], turn[min(ends) :]
             out.append(_Out(self.tok.encode(turn), [0.0] * len(turn)))
         return out
 
