@@ -334,6 +334,7 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     report = (tmp_path / "papers.md").read_text()
     assert "## Acceptance (issue 7)" in report and "rule judge" in report
+    assert ' --only "GRPO baseline (EM)" "BAPO" "WebFilter"' in report.splitlines()[2]  # the command that ran
     for row in rows + ["SFT start", "SFT start, boundary world"]:  # BAPO's rows: a start (and test split) of their own
         assert f"| {row} |" in report
     data = json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"]
