@@ -241,8 +241,11 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
                  test_files: dict[str, Path]) -> None:  # fmt: skip
     per_run = [info["minutes"] for info in done.values() if info["minutes"]]
     reused = sum(info["minutes"] for info in done.values() if info.get("earlier"))
-    flags = "".join(f" --seeds {' '.join(map(str, args.seeds))}" for _ in [0] if args.seeds != [0, 1, 2])
-    flags += "".join(" --only" + "".join(f' "{row}"' for row in args.only) for _ in [0] if args.only)  # partial: say so
+    flags = ""
+    if args.seeds != [0, 1, 2]:
+        flags += " --seeds " + " ".join(map(str, args.seeds))
+    if args.only:  # a partial report says it is one
+        flags += " --only" + "".join(f' "{row}"' for row in args.only)
     cmd = "python eval.py reproduce --world papers" + flags + "".join(f" --set {s}" for s in args.set)
     held_out = " and ".join(f"{rows[start]['n']} ({start})" for start in test_files)
     lines = [

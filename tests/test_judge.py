@@ -129,18 +129,17 @@ def test_http_judge_survives_a_server_restart_mid_batch(server):
 def test_timeouts_are_counted_failures_and_the_policy_decides(capsys):
     # a server that accepts connections (its backlog) and never answers: every read times out.
     # (A 1 ms timeout on the real server was not enough: on CI it once answered two of six in time.)
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(16)
-    url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
-    judge = make_judge(url, "judge", timeout=0.2, retries=1, backoff=0.01, on_failure="zero", concurrency=2)
-    got = judge.verdicts(prompts(judge)[:6])
-    assert got == [0.0] * 6 and judge.failures == 6
-    assert "judge failure (zero): unreachable: 2 attempts" in capsys.readouterr().out  # said, not swallowed
-    strict = make_judge(url, "judge", timeout=0.2, retries=0, on_failure="error")
-    with pytest.raises(JudgeError, match="unreachable"):
-        strict.verdicts(prompts(strict)[:1])
-    silent.close()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        judge = make_judge(url, "judge", timeout=0.2, retries=1, backoff=0.01, on_failure="zero", concurrency=2)
+        got = judge.verdicts(prompts(judge)[:6])
+        assert got == [0.0] * 6 and judge.failures == 6
+        assert "judge failure (zero): unreachable: 2 attempts" in capsys.readouterr().out  # said, not swallowed
+        strict = make_judge(url, "judge", timeout=0.2, retries=0, on_failure="error")
+        with pytest.raises(JudgeError, match="unreachable"):
+            strict.verdicts(prompts(strict)[:1])
     dead = make_judge(f"http://127.0.0.1:{free_port()}/v1", "judge", retries=1, backoff=0.01, on_failure="error")
     with pytest.raises(JudgeError, match="URLError"):
         dead.verdicts(["x"])
