@@ -40,7 +40,11 @@ IDK_ANSWERS = {"i dont know", "i do not know", "idk", "insufficient information 
 class Parsed:
     blocks: list[tuple[str, str]]  # (tag or "text", content) in order
     answer: str | None = None  # last <answer> block; the inside of \boxed{} if present
-    confidence: int | None = None  # last <confidence> block, an integer 1..10
+    # the final answer's confidence, an integer 1..10: the <confidence> block right after the last
+    # <answer>, else right before it; None when the final answer carries none. Deliberative
+    # Searcher eq. 5's c(s_T) is "the certainty of the final answer", so an earlier step's
+    # confidence does not stand in for it.
+    confidence: int | None = None
     queries: list[str] = field(default_factory=list)  # <search> blocks and tool_call queries
     structure_ok: bool = False  # think -> (action -> observation -> think)* -> [confidence] answer
     tags_balanced: bool = False  # every opening tag has its closing tag, nothing nested
@@ -181,6 +185,25 @@ def _structure_ok(blocks: list[tuple[str, str]]) -> bool:
     return kinds[i:] in (["answer"], ["answer", "confidence"])
 
 
+def final_answer_confidence(blocks: list[tuple[str, str]]) -> int | None:
+    """The confidence the final answer carries: the block right after the last <answer>
+    (rollout.confidence_after_answer), else the one right before it; None otherwise.
+
+    >>> final_answer_confidence([("think", ""), ("confidence", "8"), ("search", ""), ("information", ""),
+    ...                          ("think", ""), ("answer", "x")]) is None  # a step's, not the answer's
+    True
+    >>> final_answer_confidence([("think", ""), ("confidence", "3"), ("answer", "x"), ("confidence", "9")])
+    9
+    """
+    last = max((i for i, (k, _) in enumerate(blocks) if k == "answer"), default=None)
+    if last is None:
+        return None
+    for i in (last + 1, last - 1):
+        if 0 <= i < len(blocks) and blocks[i][0] == "confidence":
+            return confidence_value(blocks[i][1])
+    return None
+
+
 def parse_response(text: str) -> Parsed:
     """Blocks, final answer, confidence, queries and format flags of one response.
 
@@ -206,9 +229,7 @@ def parse_response(text: str) -> Parsed:
     answers = [b for k, b in blocks if k == "answer"]
     if answers:
         p.answer = unbox(answers[-1])
-    confidences = [b for k, b in blocks if k == "confidence"]
-    if confidences:
-        p.confidence = confidence_value(confidences[-1])
+    p.confidence = final_answer_confidence(blocks)
     for k, b in blocks:
         if k == "search" and b.strip():
             p.queries.append(b.strip())

@@ -124,7 +124,13 @@ def search_r1_format(record: dict, lambda_s: float = 0.2, lambda_r: float = 0.0,
 
 
 def reliability(record: dict, zeta: float = 5, acc: float | None = None, **_) -> dict:
-    """Deliberative Searcher eq. 5: confident and right, or unsure and wrong. No confidence: 0."""
+    """Deliberative Searcher eq. 5: confident and right, or unsure and wrong, where the
+    confidence is the final answer's (answers.final_answer_confidence). No confidence: 0.
+
+    It is computed whatever the format: eq. 6 already zeroes the reward of a malformed output
+    (r_format multiplies everything), and U, the constrained statistic, is the reliability of
+    the answers the policy gives, as Table 1 measures it (metrics.deliberative_metrics counts
+    the same rollouts), so the batch mean of this component equals ds_reliability."""
     c = parsed(record).confidence
     a = exact_match(parsed(record).answer, golden_of(record)) if acc is None else acc
     r = 0.0 if c is None else float((a >= 1 and c >= zeta) or (a < 1 and c < zeta))

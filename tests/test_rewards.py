@@ -141,6 +141,21 @@ def test_deliberative_table(answer, conf, lam, expected):
     assert set(out["components"]) >= {"format", "acc", "reliability", "lambda"}
 
 
+def test_deliberative_a_step_confidence_does_not_stand_in_for_the_answers():
+    # eq. 5's c(s_T) is the final answer's certainty: a confidence on an earlier step (here the
+    # first think's 9) leaves the answer without one, so reliability is 0 and the format fails
+    step = "<think> find it</think><confidence> 9 </confidence><search> Tavi Morek born</search>"
+    text = step + INFO + "<think> it says Velor.</think><answer> Kesh </answer>"
+    assert parse_response(text).confidence is None
+    out = compute([R(text)], "deliberative", {"lam": 0.5, "zeta": 5})[0]
+    assert out["components"]["reliability"] == 0.0 and out["reward"] == 0.0
+    # the same digit on the answer (before it, or after it) is the answer's
+    assert parse_response(text.replace("<answer>", "<confidence> 9 </confidence><answer>")).confidence == 9
+    assert parse_response(text + "<confidence> 2 </confidence>").confidence == 2
+    bad = parse_response(text.replace("<answer>", "<confidence> 9 </confidence><answer>"))
+    assert bad.format_ok
+
+
 def test_deliberative_broken_format_is_strictly_zero():
     assert reward("deliberative", "<think> x <confidence>9</confidence><answer> Velor </answer>", lam=1.0) == 0.0
 
