@@ -8,7 +8,7 @@ multiplicative-weights step on each dual variable:
     lambda <- lambda * exp(eta * (a - U))        (constraint U >= a; "<=" flips the sign)
 
 so lambda grows while the constraint is violated and shrinks once it holds. Paper defaults
-(§4.3): lambda0 = 0.01, eta = 0.1, a = 0.9, and the constrained term is off for the first
+(§3.2): lambda0 = 0.01, eta = 0.1, a = 0.9, and the constrained term is off for the first
 quarter of training; lambda starts at lambda0 when it comes on. Worked example: U = 0.5 below
 a = 0.9 gives lambda * exp(0.1 * 0.4) = 1.041 lambda per step, about x1.5 in 10 steps; U = 0.95
 gives 0.995 lambda per step.
@@ -140,18 +140,34 @@ def apply_to_rewards(constraints: list[Constraint], records: list[dict]) -> None
             r["reward"] += lam * sign * (value - c.threshold)
 
 
+def step(constraints: list[Constraint], records: list[dict]) -> dict:
+    """One training step's constraint work on the scored batch, in Algorithm 1's order:
+
+      1. U_i of each train-measured constraint, from the rewards as scored: before any
+         Lagrangian term is added, so a constraint on stat `reward` sees R, not R + lambda (U - a);
+      2. the term of each constraint without a `param`, added to the rewards (apply_to_rewards);
+      3. the dual update of each train-measured constraint with its U_i.
+
+    Returns the log row: lambda/<name> as this step's rewards used it (the updated value is the
+    next step's) and constraint/<name> = U_i.
+
+    >>> c = Constraint(name="r", stat="reward", active=True, lam=0.5, threshold=0.9)
+    >>> records = [{"reward": 1.0}, {"reward": 0.0}]
+    >>> row = step([c], records)
+    >>> row, [r["reward"] for r in records]  # U = 0.5 from the raw rewards; terms 0.5 (c_i - 0.9)
+    ({'lambda/r': 0.5, 'constraint/r': 0.5}, [1.05, -0.45])
+    """
+    row = {f"lambda/{c.name}": current_lambda(c) for c in constraints}
+    measured = [(c, batch_statistic(c.stat, records)) for c in constraints if c.measure == "train"]
+    apply_to_rewards(constraints, records)
+    for c, value in measured:
+        dual_update(c, value)
+    return row | {f"constraint/{c.name}": c.last_value for c in constraints if c.last_value is not None}
+
+
 def reward_params(constraints: list[Constraint], params: dict) -> dict:
     """The reward's parameters with each `param` constraint's current lambda filled in."""
     return dict(params) | {c.param: current_lambda(c) for c in constraints if c.param}
-
-
-def log_row(constraints: list[Constraint]) -> dict:
-    row = {}
-    for c in constraints:
-        row[f"lambda/{c.name}"] = current_lambda(c)
-        if c.last_value is not None:
-            row[f"constraint/{c.name}"] = c.last_value
-    return row
 
 
 def state(constraints: list[Constraint]) -> list[dict]:

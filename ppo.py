@@ -34,13 +34,15 @@ One PPO step in the trainer, with these functions:
   values   = critic_values(critic, records, micro_batch_tokens, pad_id)        # V_old
   adv, ret = ppo_advantages(records, values, scores, kls, kl_coef, gamma, lam)  # per record
   ... policy step with the per-token advantages ...
-  stats    = critic_step(critic, opt, records, values, ret, value_clip, micro_batch_tokens,
-                         pad_id, grad_clip)
+  stats    = critic_update(critic, opt, records, values, ret, value_clip, micro_batch_tokens,
+                           pad_id, grad_clip, epochs=1, mini_batches=1, seed=0)
+             (epochs x mini_batches critic_step calls on the actor's mini-batches, as verl does)
   save_critic(critic, ckpt_dir); critic = load_critic(ckpt_dir or policy_dir)
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -298,3 +300,41 @@ def critic_step(
     critic.eval()
     return {"value_loss": float(totals[0]), "value_clip_frac": float(totals[1]), "value_mean": float(totals[2]),
             "critic_grad_norm": grad_norm}  # fmt: skip
+
+
+def critic_update(
+    critic: Critic,
+    optimizer: torch.optim.Optimizer,
+    records: list[dict],
+    old_values: list[torch.Tensor],
+    returns: list[torch.Tensor],
+    cfg_clip: float,
+    micro_batch_tokens: int,
+    pad_id: int,
+    grad_clip: float,
+    mask_retrieved: bool = True,
+    rank: int = 0,
+    world: int = 1,
+    epochs: int = 1,
+    mini_batches: int = 1,
+    seed: int = 0,
+) -> dict:
+    """`epochs` x `mini_batches` critic steps on one batch, as the actor takes (verl's PPO
+    mini-batches the critic like the actor: ppo_epochs x ppo_mini_batch_size). The mini-batches
+    are the actor's (train.grpo_step draws its order from the same Random(seed)), V_old stays
+    the values before the first step (the clip's anchor) and the returns are fixed. Returns the
+    mean of critic_step's statistics over the steps."""
+    rng = random.Random(seed)
+    totals: dict[str, float] = {}
+    for _ in range(epochs):
+        order = list(range(len(records)))
+        if mini_batches > 1:
+            rng.shuffle(order)
+        for part in range(mini_batches):
+            mini = order[part::mini_batches]
+            stats = critic_step(critic, optimizer, [records[i] for i in mini], [old_values[i] for i in mini],
+                                [returns[i] for i in mini], cfg_clip, micro_batch_tokens, pad_id, grad_clip,
+                                mask_retrieved, rank, world)  # fmt: skip
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value / (epochs * mini_batches)
+    return totals

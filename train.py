@@ -60,9 +60,8 @@ from tqdm import tqdm
 from answers import parsed
 from checkpoint import latest_checkpoint, load_trainer_state, log, new_run_dir, save_checkpoint, write_samples
 from config import Config, ConfigError, DataError, load_config
-from constraints import apply_to_rewards as apply_constraints
-from constraints import batch_statistic, dual_update, parse_constraints, reward_params, switch_on
-from constraints import log_row as constraint_log
+from constraints import dual_update, parse_constraints, reward_params, switch_on
+from constraints import step as constraints_step
 from constraints import restore as restore_constraints
 from constraints import state as constraint_state
 from data import data_paths, ensure_policy, load_questions, make_search_fn
@@ -133,12 +132,16 @@ def grpo_token_loss(
     clip_eps_high: float = 0.0,
     dual_clip: float = 0.0,
     kl_kind: str = "k3",
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss (PPO-clip policy term + beta * KL), its KL part and whether it clipped.
+    """Per-token loss (w * PPO-clip policy term + beta * KL), its KL part and whether it clipped.
 
     pg = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)); eps_high = eps_low unless given
     (DAPO's clip-higher). Dual-clip (c > 1, for A < 0 only) caps pg at -c A, so a huge ratio on a
-    bad token cannot blow the loss up.
+    bad token cannot blow the loss up. `is_weight` w (truncated importance sampling,
+    train.is_correction) corrects the policy-gradient term only, as verl's rollout correction
+    does: the KL term is a penalty on the trainer's own logprobs, not an estimate under the
+    engine's sampling distribution.
     """
     ratio = torch.exp(logp - old_logp)
     high = clip_eps_high or clip_eps
@@ -147,8 +150,11 @@ def grpo_token_loss(
     loss = torch.maximum(unclipped, clipped)
     if dual_clip > 1:
         loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    was_clipped = (loss != unclipped).float()
+    if is_weight is not None:
+        loss = loss * is_weight
     kl = kl_estimate(logp, ref_logp, kl_kind) if ref_logp is not None else torch.zeros_like(logp)
-    return loss + kl_coef * kl, kl, (loss != unclipped).float()
+    return loss + kl_coef * kl, kl, was_clipped
 
 
 def loss_weights(policy_tokens: list[int], mode: str, norm: int) -> list[float]:
@@ -293,9 +299,9 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         ref_logp = pad_rows([ref[i] for i in idx], width - 1).to(device) if ref is not None else None
         adv = pad_rows([seqs[i]["adv"] for i in idx], width - 1).to(device)
         tok_loss, kl, clipped = grpo_token_loss(
-            logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip, tcfg.kl_estimator
-        )
-        tok_loss = tok_loss * pad_rows([is_weight[i] for i in idx], width - 1).to(device)
+            logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip, tcfg.kl_estimator,
+            pad_rows([is_weight[i] for i in idx], width - 1).to(device),
+        )  # fmt: skip
         with torch.set_grad_enabled(tcfg.entropy_coef > 0):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         loss = ((tok_loss - tcfg.entropy_coef * entropy) * m * w).sum()
@@ -514,6 +520,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         questions = [train_q[i] for i in batch_idx]
         t0 = time.time()
         resampled, t_generate, t_reward = 0, 0.0, 0.0
+        constraint_row: dict = {}
         records: list[dict] = []
         if main_proc:
             records = rollout_batch(
@@ -529,10 +536,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             if bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
                 params |= {"stage": bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
             score(records, cfg.train.reward, params, judge)
-            apply_constraints(constraints, records)
-            for c in constraints:
-                if c.measure == "train":
-                    dual_update(c, batch_statistic(c.stat, records))
+            constraint_row = constraints_step(constraints, records)  # U, then the terms, then the dual update
             if world > 1:  # the parse cache (answers.parsed) stays on rank 0; the others get plain records
                 for r in records:
                     r.pop("_parsed", None)
@@ -572,7 +576,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         t_sync = time.time() - t0
         if main_proc:
             gen_tokens = sum(sum(r["loss_mask"]) for r in records)
-            row = {"step": step + 1} | batch_metrics(records) | stats | constraint_log(constraints) | {
+            row = {"step": step + 1} | batch_metrics(records) | stats | constraint_row | {
                 "lr": lr_at(step, cfg),
                 "tokens_per_s": gen_tokens / max(t_generate, 1e-9),
                 "time": {"generate": t_generate, "retrieve": timings.get("retrieve", 0.0),
@@ -608,8 +612,8 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
     """PPO (Search-R1's best runs, ppo.py): token rewards (the score on the last policy token,
     minus kl_coef x k1 KL to the reference on every policy token when kl_in_reward), GAE over
     policy tokens with the critic's values, whitened advantages; then the clipped policy step
-    and one critic step on the returns."""
-    from ppo import critic_step, critic_values, ppo_advantages
+    and as many critic steps on the returns, on the same mini-batches (ppo.critic_update)."""
+    from ppo import critic_update, critic_values, ppo_advantages
 
     tcfg = cfg.train
     values = critic_values(critic, records, tcfg.micro_batch_tokens, pad_id)
@@ -625,8 +629,9 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
         stats["kl"] = float(sum(k.sum() for k in kls)) / max(1, sum(sum(r["loss_mask"]) for r in records))
     for r in records:
         del r["advantages"]  # per-token lists would bloat samples/*.jsonl
-    critic_stats = critic_step(critic, critic_opt, records, values, returns, tcfg.value_clip, tcfg.micro_batch_tokens,
-                               pad_id, tcfg.grad_clip, tcfg.mask_retrieved, rank, world)  # fmt: skip
+    critic_stats = critic_update(critic, critic_opt, records, values, returns, tcfg.value_clip, tcfg.micro_batch_tokens,
+                                 pad_id, tcfg.grad_clip, tcfg.mask_retrieved, rank, world, tcfg.epochs,
+                                 tcfg.mini_batches, tcfg.seed * 1000003 + step)  # fmt: skip
     return stats | critic_stats
 
 

@@ -15,6 +15,7 @@ from constraints import (
     restore,
     reward_params,
     state,
+    step,
     switch_on,
 )
 
@@ -86,6 +87,19 @@ def test_additive_form_for_a_reward_without_a_lambda_parameter():
     assert [r["reward"] for r in records] == [1.0 + 2.0 * 0.5, 1.0 - 2.0 * 0.5]
     assert batch_statistic("reward/src", records) == 0.5
     assert batch_statistic("reward", records) == 1.0
+
+
+def test_a_constraint_on_the_reward_measures_u_before_its_own_term_and_logs_the_lambda_used():
+    # issue 23.1: U on stat "reward" is the batch mean of the rewards as scored; measured after
+    # the term it would be U + lambda (U - a) (here 0.25 + 2 (0.25 - 0.9) = -1.05)
+    (c,) = parse_constraints([{"name": "r", "stat": "reward", "threshold": 0.9, "eta": 0.1, "warmup_frac": 0}])
+    switch_on([c], 0, 10)
+    c.lam = 2.0
+    records = [{"reward": x, "reward_components": {}} for x in (1.0, 0.0, 0.0, 0.0)]
+    row = step([c], records)
+    assert row == {"lambda/r": 2.0, "constraint/r": 0.25}  # issue 23.9: the lambda these rewards used
+    assert c.lam == pytest.approx(2.0 * math.exp(0.1 * (0.9 - 0.25)))  # the next step's
+    assert [r["reward"] for r in records] == pytest.approx([1 + 2 * 0.1, -1.8, -1.8, -1.8])
 
 
 def test_param_constraints_do_not_touch_rewards():

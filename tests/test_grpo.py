@@ -80,6 +80,16 @@ def test_clip_higher_and_dual_clip_by_hand():
     assert ratio.grad.item() == 0.0  # capped: no gradient through the huge ratio
 
 
+def test_truncated_importance_weight_corrects_the_policy_term_only():
+    # issue 23.9: w * pg + beta * kl, not w * (pg + beta * kl)
+    logp, old, ref = torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.25, 0.5]))
+    adv, w = torch.tensor([1.0, -1.0]), torch.tensor([2.0, 0.5])
+    loss, kl, _ = grpo_token_loss(logp, old, adv, ref, 0.2, 0.1, is_weight=w)
+    k3 = (0.5 - math.log(0.5) - 1, 0.0)  # exp(ref - logp) - (ref - logp) - 1
+    assert kl.tolist() == pytest.approx(k3)
+    assert loss.tolist() == pytest.approx([2.0 * -1.0 + 0.1 * k3[0], 0.5 * 1.0 + 0.0])
+
+
 def test_loss_aggregation_modes_by_hand():
     from train import loss_weights
 

@@ -9,6 +9,7 @@ import torch
 from ppo import (
     critic_optimizer,
     critic_step,
+    critic_update,
     critic_values,
     gae,
     load_critic,
@@ -243,6 +244,28 @@ def test_critic_step_micro_batches_do_not_change_the_gradient(policy_dir):
     cat = lambda xs: torch.cat(xs)[None]  # noqa: E731
     loss, _ = value_loss(cat(vals), cat(vals), cat([torch.ones_like(v) for v in vals]), cat(masks))
     assert full["value_loss"] == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_critic_takes_epochs_times_mini_batches_steps_like_the_actor(policy_dir, monkeypatch):
+    # issue 23.8: verl mini-batches the critic as the actor; one step per batch left it behind
+    import ppo
+
+    records = make_records(8, seed=5)
+    critic = load_critic(policy_dir)
+    randomise_head(critic)
+    old = critic_values(critic, records, 10_000, 0)
+    returns = [torch.ones_like(v) for v in old]
+    opt = torch.optim.SGD(critic.parameters(), lr=0.05)
+    sizes = []
+
+    def counting(critic, optimizer, recs, *args):
+        sizes.append(len(recs))
+        return critic_step(critic, optimizer, recs, *args)
+
+    monkeypatch.setattr(ppo, "critic_step", counting)
+    stats = critic_update(critic, opt, records, old, returns, 0.5, 10_000, 0, 1.0, epochs=2, mini_batches=2, seed=7)
+    assert sizes == [4, 4, 4, 4]  # 2 epochs x 2 mini-batches of 4 records
+    assert stats["value_loss"] > 0 and stats["critic_grad_norm"] > 0
 
 
 def test_critic_learns_the_returns(policy_dir):
