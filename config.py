@@ -216,6 +216,10 @@ class TrainConfig:
     # k more times (BAPO: 2); stage switch after `bapo_patience` evaluations without improvement
     # (a validation EM that beats the best by at most `bapo_min_delta` is no improvement).
     resample_groups: int = 0
+    # BAPO §4.2 / App. B.2: resampling belongs to the plateau stage and enlarges the effective
+    # group (G, then up to G (k + 1) rollouts of the question). "always" / "replace" are options.
+    resample_stage: str = "plateau"  # plateau | always (both stages)
+    resample_mode: str = "enlarge"  # enlarge (the new rollouts join the group) | replace (they replace it)
     bapo_patience: int = 5
     bapo_min_delta: float = 0.0
     # RFT: keep rollouts with reward >= rft_accept, and one IDK rollout for a question with none.
@@ -319,6 +323,8 @@ CHOICES = {
     "sft.confidence": ("", "random"),
     "rollout.protocol": ("search_r1", "bapo", "deliberative", "webfilter"),
     "train.optimizer": ("adamw", "adamw8bit"),
+    "train.resample_stage": ("plateau", "always"),
+    "train.resample_mode": ("enlarge", "replace"),
 }
 
 

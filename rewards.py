@@ -296,25 +296,42 @@ def bapo_correct(record: dict, f1_unit: str = "char", **_) -> float:
     return (f1_score if f1_unit == "word" else char_f1)(p.answer, golden_of(record))
 
 
+def bapo_solved(record: dict, f1_unit: str = "char", correct: str = "em", **_) -> bool:
+    """Is this rollout "correct" for eq. 5's group test and for resampling ("no correct rollout")?
+
+    correct "em" (the default): a well-formed answer that matches a golden answer exactly
+    (after SQuAD normalisation). "reward": R_correct > 0, eq. 5 read literally. With the paper's
+    character F1 the literal reading almost never finds a group with no correct rollout: two
+    different names share letters (char-F1 of "Paris" against "Berlin" is 0.36), so R_IDK and
+    the resampling would go inert. EM keeps the paper's meaning, "no rollout found the answer",
+    in any F1 unit; R_correct itself (the reward) stays F1.
+    """
+    if correct == "reward":
+        return bapo_correct(record, f1_unit) > 0
+    p = parsed(record)
+    return p.format_ok and not p.idk and exact_match(p.answer, golden_of(record)) >= 1
+
+
 def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alpha: float = 0.05,
-         sample_level: bool = True, f1_unit: str = "char", **_) -> list[dict]:  # fmt: skip
+         sample_level: bool = True, f1_unit: str = "char", correct: str = "em", **_) -> list[dict]:  # fmt: skip
     """BAPO eq. 5-6 for one group of G rollouts of the same question.
 
-    R_IDK = 0.5 [answer is IDK] when no rollout has R_correct > 0, and the modulator allows it:
+    R_IDK = 0.5 [answer is IDK] when no rollout is correct (bapo_solved: EM by default; eq. 5's
+    literal "every R_correct <= 0" with correct="reward"), and the modulator allows it:
       exploration stage: only while the batch's IDK ratio (from the trainer) is below alpha;
       plateau stage: always, except (sample level) for a question whose G rollouts give at
       least G/2 distinct answers (the model is still exploring it).
     """
-    correct = [bapo_correct(r, f1_unit) for r in group]
+    scores = [bapo_correct(r, f1_unit) for r in group]
     answers = [normalize_answer(parsed(r).answer or "") for r in group]
     distinct = len(set(answers))
     if stage == "exploration":
         gate = idk_ratio < alpha
     else:
         gate = not (sample_level and distinct >= len(group) / 2)
-    none_correct = all(c <= 0 for c in correct)
+    none_correct = not any(bapo_solved(r, f1_unit, correct) for r in group)
     out = []
-    for r, c in zip(group, correct):
+    for r, c in zip(group, scores):
         r_idk = 0.5 * float(parsed(r).idk) if none_correct and gate else 0.0
         out.append({"correct": c, "idk": float(parsed(r).idk), "idk_bonus": r_idk, "gate": float(gate),
                     "distinct_answers": distinct, "reward": c + r_idk})  # fmt: skip
@@ -324,14 +341,14 @@ def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alph
 bapo.group = True
 
 
-def bapo_resample_groups(records: list[dict], f1_unit: str = "char", **_) -> list[str]:
+def bapo_resample_groups(records: list[dict], f1_unit: str = "char", correct: str = "em", **_) -> list[str]:
     """Group ids to roll out again (BAPO §4.2, up to k = 2 more times, the trainer counts):
-    no rollout correct (R_correct > 0) and none said IDK. Takes the reward's own parameters
+    no rollout correct (bapo_solved) and none said IDK. Takes the reward's own parameters
     (train.reward_params), so "correct" is judged as the reward judges it."""
     groups: dict[str, list[dict]] = {}
     for r in records:
         groups.setdefault(str(r.get("group_id")), []).append(r)
-    return [g for g, rs in groups.items() if all(bapo_correct(r, f1_unit) <= 0 and not parsed(r).idk for r in rs)]
+    return [g for g, rs in groups.items() if not any(bapo_solved(r, f1_unit, correct) or parsed(r).idk for r in rs)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -360,22 +360,27 @@ def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> li
 # The BAPO loop (resampling, stage) and Reliable RFT.
 
 
-def resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg: Config, step: int) -> tuple:
-    """BAPO §4.2: roll out again, up to `resample_groups` times, the groups with no correct
-    rollout and no IDK (rewards.bapo_resample_groups, with the reward's own parameters: with
-    word F1 in the reward and the default char F1 here nothing was ever marked), replacing them.
-    Returns (records, count)."""
+def resample_marked_groups(records: list[dict], questions: list[dict], roll_out, cfg: Config, step: int,
+                           stage: str = "plateau") -> tuple[list[dict], int]:  # fmt: skip
+    """BAPO §4.2: "we dynamically resample groups with no correct rollouts up to k times, until
+    the model outputs IDK or provides a correct answer", in the plateau stage (train.resample_stage;
+    "always": both stages). The new rollouts join their group (train.resample_mode "enlarge":
+    App. B.2's larger effective group, G up to G (k + 1)) or replace it ("replace"). Marked:
+    rewards.bapo_resample_groups with the reward's own parameters, so "correct" is judged as the
+    reward judges it. `roll_out(questions, seed)` rolls out G rollouts per question.
+    Returns (records, number of groups rolled out again)."""
+    if cfg.train.resample_stage == "plateau" and stage != "plateau":
+        return records, 0
     count = 0
     for attempt in range(1, cfg.train.resample_groups + 1):
         marked = set(bapo_resample_groups(records, **cfg.train.reward_params))
         if not marked:
             break
         again = [q for q in questions if cfg.data.name + ":" + str(q["id"]) in marked]
-        fresh = rollout_batch(
-            engine, tokenizer, again, cfg.train.group_size, search_fn, cfg.rollout,
-            seed=cfg.train.seed * 100003 + step + 1_000_000 * attempt, group_prefix=cfg.data.name + ":",
-        )  # fmt: skip
-        records = [r for r in records if str(r["group_id"]) not in marked] + fresh
+        fresh = roll_out(again, cfg.train.seed * 100003 + step + 1_000_000 * attempt)
+        if cfg.train.resample_mode == "replace":
+            records = [r for r in records if str(r["group_id"]) not in marked]
+        records = records + fresh
         count += len(marked)
     return records, count
 
@@ -528,7 +533,12 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
                 seed=cfg.train.seed * 100003 + step, group_prefix=cfg.data.name + ":",
             )  # fmt: skip
             if cfg.train.resample_groups > 0:
-                records, resampled = resample_marked_groups(records, questions, engine, tokenizer, search_fn, cfg, step)
+                def roll_out(qs: list[dict], seed: int) -> list[dict]:
+                    return rollout_batch(engine, tokenizer, qs, cfg.train.group_size, search_fn, cfg.rollout, seed=seed,
+                                         group_prefix=cfg.data.name + ":")  # fmt: skip
+
+                records, resampled = resample_marked_groups(records, questions, roll_out, cfg, step,
+                                                            bapo.stage if bapo else "plateau")  # fmt: skip
             engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
             t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
             t0 = time.time()

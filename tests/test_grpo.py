@@ -249,3 +249,33 @@ def test_rft_keeps_accepted_rollouts_and_one_idk_when_none_is_correct():
     kept = rft_select(records, accept=1.0)
     assert [(r["group_id"], r["reward"]) for r in kept] == [("a", 1.0), ("a", 1.0), ("b", 0.0)]
     assert "don't know" in kept[2]["response"]
+
+
+def test_bapo_resampling_enlarges_the_group_in_the_plateau_stage_only():
+    # issue 23.3: BAPO §4.2 resamples in the plateau stage, and App. B.2's new rollouts enlarge
+    # the effective group (G, then up to G (k + 1)) instead of replacing it
+    from config import load_config
+    from train import resample_marked_groups
+
+    def rec(qid: str, answer: str) -> dict:
+        text = f"<think>x</think><answer>{answer}</answer>"
+        return {"group_id": f"tiny:{qid}", "golden_answers": ["Velor"], "response": text}
+
+    calls = []
+
+    def roll_out(questions: list[dict], seed: int) -> list[dict]:  # the second try of q1 finds it
+        calls.append(([q["id"] for q in questions], seed))
+        return [rec(q["id"], "Velor" if len(calls) == 2 else "Kesh") for q in questions for _ in range(2)]
+
+    questions = [{"id": "q1"}, {"id": "q2"}]
+    first = [rec("q1", "Kesh"), rec("q1", "Zug"), rec("q2", "Velor"), rec("q2", "Kesh")]
+    cfg = load_config(None, ["train.resample_groups=2"])
+    assert resample_marked_groups(first, questions, roll_out, cfg, 0, "exploration") == (first, 0) and not calls
+    records, count = resample_marked_groups(first, questions, roll_out, cfg, 0, "plateau")
+    assert count == 2 and [ids for ids, _ in calls] == [["q1"], ["q1"]]  # q2 had a correct rollout
+    assert [r["group_id"] for r in records].count("tiny:q1") == 6  # 2 + 2 + 2: the group grew
+    assert records[:4] == first
+    calls.clear()
+    cfg = load_config(None, ["train.resample_groups=2", "train.resample_mode=replace", "train.resample_stage=always"])
+    records, count = resample_marked_groups(first, questions, roll_out, cfg, 0, "exploration")
+    assert count == 2 and [r["group_id"] for r in records].count("tiny:q1") == 2  # replaced each time

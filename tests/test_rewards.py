@@ -244,12 +244,17 @@ def test_bapo_idk_bonus_only_when_no_rollout_is_correct():
     # nobody correct ("Zug" shares no character with "Velor"), 2 distinct answers < G/2 = 3: +0.5 on IDK
     got = bapo(group([IDK, IDK, IDK, "Zug", "Zug", "Zug"]), stage="plateau")
     assert [g["reward"] for g in got] == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0]
-    # a partially right answer (char-F1 > 0) counts as correct: the bonus is off
+    # issue 23.4: a wrong answer with char-F1 > 0 ("Kesh" vs "Velor": 2/9) is not correct, so the
+    # bonus is on; R_correct keeps its char-F1
     got = bapo(group([IDK, IDK, IDK, "Kesh", "Kesh", "Kesh"]), stage="plateau")
+    assert [g["reward"] for g in got] == pytest.approx([0.5, 0.5, 0.5, 2 / 9, 2 / 9, 2 / 9])
+    # eq. 5 read literally (correct="reward": R_correct > 0 counts as correct): the bonus is off
+    got = bapo(group([IDK, IDK, IDK, "Kesh", "Kesh", "Kesh"]), stage="plateau", correct="reward")
     assert [g["idk_bonus"] for g in got] == [0.0] * 6
-    # with word-level F1 "Kesh" shares nothing with "Velor": nobody is correct, the bonus is on
-    got = bapo(group([IDK, IDK, IDK, "Kesh", "Kesh", "Kesh"]), stage="plateau", f1_unit="word")
-    assert [g["reward"] for g in got] == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0]
+    # with word-level F1 "Kesh" shares nothing with "Velor": nobody is correct either way
+    for correct in ("em", "reward"):
+        got = bapo(group([IDK, IDK, IDK, "Kesh", "Kesh", "Kesh"]), stage="plateau", f1_unit="word", correct=correct)
+        assert [g["reward"] for g in got] == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0]
 
 
 def test_bapo_modulator_stage_and_sample_level():
@@ -268,10 +273,11 @@ def test_bapo_modulator_stage_and_sample_level():
 def test_bapo_resampling_and_reliability():
     records = group(["Zug", "Mip"], "a") + group([IDK, "Zug"], "b") + group(["Velor", "Zug"], "c")
     assert bapo_resample_groups(records) == ["a"]  # b said IDK, c has a correct rollout
-    # "Kesh" vs "Velor": char-F1 > 0 counts as partly correct, word F1 = 0 does not (the marking
-    # must use the reward's unit: train.resample_marked_groups passes all of reward_params)
+    # "Kesh" vs "Velor" (char-F1 2/9): not correct, so the group is resampled (issue 23.4); only
+    # eq. 5's literal reading counts it as correct (train.resample_marked_groups passes all of
+    # reward_params, so the marking judges as the reward does)
     near = group(["Kesh", "Kesh"], "d")
-    assert bapo_resample_groups(near) == [] and bapo_resample_groups(near, f1_unit="word") == ["d"]
+    assert bapo_resample_groups(near) == ["d"] and bapo_resample_groups(near, correct="reward") == []
     assert bapo_resample_groups(near, **{"f1_unit": "word", "alpha": 0.2}) == ["d"]  # configs/tiny_bapo.yaml's
     correct = [exact_match(parsed(r).answer, golden_of(r)) for r in records]
     m = bapo_metrics(records, correct)  # N 6, correct 1, IDK 1: acc 1/6, prec 1/5, rho 1/6

@@ -16,6 +16,7 @@ RUNS = {
         "reward": "bapo",
         "reward_params": {"f1_unit": "word"},
         "resample_groups": 2,
+        "resample_stage": "always",  # the default waits for the plateau stage, which 2 steps may not reach
         "epochs": 2,
         "mini_batches": 2,
         "bapo_patience": 1,
