@@ -61,9 +61,9 @@ from answers import parsed
 from checkpoint import latest_checkpoint, load_trainer_state, log, new_run_dir, save_checkpoint, write_samples
 from config import Config, ConfigError, DataError, load_config
 from constraints import dual_update, parse_constraints, reward_params, switch_on
-from constraints import step as constraints_step
 from constraints import restore as restore_constraints
 from constraints import state as constraint_state
+from constraints import step as constraints_step
 from data import data_paths, ensure_policy, load_questions, make_search_fn
 from distributed import all_reduce, balanced_micro_batches, clip_grad_norm, make_optimizer
 from engine import load_policy, load_tokenizer, make_engine
@@ -299,8 +299,8 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         ref_logp = pad_rows([ref[i] for i in idx], width - 1).to(device) if ref is not None else None
         adv = pad_rows([seqs[i]["adv"] for i in idx], width - 1).to(device)
         tok_loss, kl, clipped = grpo_token_loss(
-            logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip, tcfg.kl_estimator,
-            pad_rows([is_weight[i] for i in idx], width - 1).to(device),
+            logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip,
+            tcfg.kl_estimator, pad_rows([is_weight[i] for i in idx], width - 1).to(device),
         )  # fmt: skip
         with torch.set_grad_enabled(tcfg.entropy_coef > 0):
             entropy = -(logp_all.exp() * logp_all).sum(-1)

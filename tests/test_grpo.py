@@ -82,7 +82,8 @@ def test_clip_higher_and_dual_clip_by_hand():
 
 def test_truncated_importance_weight_corrects_the_policy_term_only():
     # issue 23.9: w * pg + beta * kl, not w * (pg + beta * kl)
-    logp, old, ref = torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.25, 0.5]))
+    logp = old = torch.log(torch.tensor([0.5, 0.5]))
+    ref = torch.log(torch.tensor([0.25, 0.5]))
     adv, w = torch.tensor([1.0, -1.0]), torch.tensor([2.0, 0.5])
     loss, kl, _ = grpo_token_loss(logp, old, adv, ref, 0.2, 0.1, is_weight=w)
     k3 = (0.5 - math.log(0.5) - 1, 0.0)  # exp(ref - logp) - (ref - logp) - 1
