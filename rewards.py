@@ -186,8 +186,8 @@ def webfilter(record: dict, alpha: float = 0.4, beta: float = 0.2, judge=None, *
 
 
 def think_answer(record: dict, **_) -> dict:
-    """VERITAS think-answer faithfulness: the answer's normalised text occurs in the last
-    think block before the answer (§3.2). 0 without an answer or a think block."""
+    """VERITAS think-answer faithfulness: the answer's normalised text occurs, as whole words,
+    in the last think block before the answer (§3.2). 0 without an answer or a think block."""
     p = parsed(record)
     if p.answer is None or not normalize_answer(p.answer):
         return {"reward": 0.0}
@@ -197,7 +197,8 @@ def think_answer(record: dict, **_) -> dict:
             break
         if k == "think":
             thinks.append(b)
-    hit = bool(thinks) and normalize_answer(p.answer) in normalize_answer(thinks[-1])
+    # whole words only: "Paris" occurs in "Paris is ..." but not in "comparison"
+    hit = bool(thinks) and f" {normalize_answer(p.answer)} " in f" {normalize_answer(thinks[-1])} "
     return {"reward": float(hit)}
 
 

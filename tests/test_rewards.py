@@ -285,6 +285,20 @@ def test_bapo_resampling_and_reliability():
     assert m["bapo_reliability"] == pytest.approx((5 / 6) * (1 / 5) + (1 / 6) * (1 / 6))
 
 
+@pytest.mark.parametrize(
+    "think, answer, expected",
+    [
+        ("it was in Paris, so", "Paris", 1.0),
+        ("a comparison of cities", "Paris", 0.0),  # issue 23.6: a substring inside a word is no match
+        ("born in New York City", "New York", 1.0),  # whole words, several of them
+        ("born in Newark", "New", 0.0),
+    ],
+)
+def test_veritas_think_answer_matches_whole_words(think, answer, expected):
+    text = f"<think> {think}</think><answer> {answer} </answer>"
+    assert compute([R(text)], "think_answer")[0]["reward"] == expected
+
+
 def test_bapo_through_compute_groups_by_group_id():
     records = group([IDK, IDK, IDK, "Zug", "Zug", "Zug"], "g1") + group(["Velor", IDK], "g2")
     rewards = [s["reward"] for s in compute(records, "bapo", {"stage": "plateau"})]
