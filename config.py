@@ -138,7 +138,9 @@ class RetrieverConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "vllm"  # "vllm" (in process, CPU or GPU) or "hf" (plain transformers, debugging)
-    max_turns: int = 4  # generation turns (Search-R1's action budget); the last may not search
+    # Search-R1's max_turns: up to this many turns may search, then one more turn may only answer
+    # (so at most max_turns searches and max_turns + 1 generations; 0: answer without searching)
+    max_turns: int = 4
     max_tokens_per_turn: int = 64  # Search-R1 uses 500 for real models
     max_obs_tokens: int = 200  # observation budget, cut inside the tags (DESIGN §7)
     temperature: float = 1.0

@@ -10,7 +10,9 @@ the token bookkeeping below are the same for all. Search-R1, the default:
              all active queries of the turn go to the retriever in ONE batched call
              "\\n<information>Doc 1(Title: Tavi Morek) ...</information>\\n" is appended
     turn 2:  policy writes "<think>..</think><answer>Velor</answer>" -> stop on `</answer>`
-    the last turn (max_turns) may not search: a search there ends the rollout, unanswered.
+    up to max_turns turns may search, and one more may only answer (Search-R1's run_llm_loop:
+    max_turns search turns, then a final generation with no search): a search there ends the
+    rollout, unanswered. So a rollout searches at most max_turns times.
     with rollout.confidence_after_answer, an answering turn goes on to "<confidence> 3</confidence>".
     a malformed action (other protocols) gets an "invalid action" observation and costs a turn.
 
@@ -176,7 +178,7 @@ def rollout_batch(
             if prefixes is not None:
                 _force_prefix(states[-1], prefixes[qi], tokenizer, cfg)
     budget = cfg.max_model_len
-    for turn in range(1, cfg.max_turns + 1):
+    for turn in range(1, cfg.max_turns + 2):  # max_turns that may search, then the answer-only one
         active = [s for s in states if not s.finish]
         if not active:
             break
@@ -209,7 +211,7 @@ def rollout_batch(
                 s.finish = "answer"
                 answered.append(s)
             elif act["kind"] == "act":
-                if turn == cfg.max_turns:
+                if turn > cfg.max_turns:
                     s.finish = "max_turns"  # the final turn may not search
                 elif act.get("end"):
                     s.finish = act["end"]  # search_r1: a closing tag without a block ("format")

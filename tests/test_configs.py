@@ -67,7 +67,7 @@ def test_webfilter_config():
     t = cfg.train
     assert (t.reward, t.lr, t.questions_per_step, t.group_size, t.mini_batches) == ("webfilter", 1e-5, 256, 16, 1)
     assert (t.reward_params["alpha"], t.reward_params["beta"], cfg.rollout.temperature) == (0.4, 0.2, 1.0)
-    assert cfg.rollout.max_turns - 1 == 10  # up to 10 retrievals; the last turn must answer
+    assert cfg.rollout.max_turns == 10  # up to 10 retrievals; one more turn must answer
     assert cfg.model.path.endswith("Qwen2.5-7B-Instruct")
     assert (cfg.rollout.protocol, cfg.rollout.chat_template, cfg.rollout.prompt_template) == ("webfilter", True, "")
 
@@ -78,7 +78,7 @@ def test_bapo_configs():
     assert (t.reward, t.lr, t.warmup_frac, t.questions_per_step, t.group_size) == ("bapo", 1e-6, 0.0, 64, 8)
     assert (t.epochs, t.mini_batches, t.clip_eps, t.kl_coef) == (2, 4, 0.1, 0.001)
     assert (t.resample_groups, t.bapo_patience, t.reward_params["alpha"]) == (2, 5, 0.05)
-    assert (cfg.retriever.topk, cfg.rollout.max_model_len, cfg.rollout.max_turns - 1) == (5, 8192, 3)
+    assert (cfg.retriever.topk, cfg.rollout.max_model_len, cfg.rollout.max_turns) == (5, 8192, 3)
     assert (cfg.rollout.protocol, cfg.rollout.allow_idk, cfg.rollout.prompt_template) == ("bapo", True, "")
     assert r"\boxed{I DON'T KNOW}" in render_prompt("q", cfg=cfg.rollout)
     rft = load("bapo_rft.yaml").train

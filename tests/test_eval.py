@@ -85,7 +85,7 @@ def test_broken_formats_are_counted_not_dropped(vllm_engine, micro_eval):
     from metrics import compute_metrics
 
     cfg, tok, questions, search_fn = micro_eval
-    short = replace(cfg, rollout=replace(cfg.rollout, max_tokens_per_turn=3, max_turns=1))  # no room to answer
+    short = replace(cfg, rollout=replace(cfg.rollout, max_tokens_per_turn=3, max_turns=0))  # no room to answer
     records = rollout_mode("agentic", vllm_engine, tok, questions, search_fn, short)
     assert summarize(records)["n"] == len(questions) == compute_metrics(records)["n"]
     assert compute_metrics(records)["format_violation"] == 1.0 and summarize(records)["format_ok"] == 0.0

@@ -284,7 +284,7 @@ class ScriptedEngine:
 
 
 def test_behaviour_of_real_rollout_records():
-    cfg = RolloutConfig(max_turns=3, max_tokens_per_turn=200, prompt_template="Q: {question}\n")
+    cfg = RolloutConfig(max_turns=2, max_tokens_per_turn=200, prompt_template="Q: {question}\n")
     questions = [{"id": q, "question": q, "golden_answers": ["Velor"]} for q in SCRIPTS]
     records = rollout_batch(ScriptedEngine(), CharTokenizer(), questions, 1, lambda qs: [INFO[13:-14]] * len(qs), cfg,
                             group_prefix="tiny:")  # fmt: skip

@@ -121,9 +121,9 @@ def golden_runs(tok) -> list:
     truncated observation, budget, greedy, forced prefixes (eval's rag), a custom template."""
     out = []
     cases = [
-        (RolloutConfig(max_turns=3, max_tokens_per_turn=200, max_obs_tokens=30), {"seed": 3, "group_prefix": "t:"}),
-        (RolloutConfig(max_turns=4, max_tokens_per_turn=40, max_obs_tokens=500), {"greedy": True}),
-        (RolloutConfig(max_turns=3, max_tokens_per_turn=200, max_model_len=200,
+        (RolloutConfig(max_turns=2, max_tokens_per_turn=200, max_obs_tokens=30), {"seed": 3, "group_prefix": "t:"}),
+        (RolloutConfig(max_turns=3, max_tokens_per_turn=40, max_obs_tokens=500), {"greedy": True}),
+        (RolloutConfig(max_turns=2, max_tokens_per_turn=200, max_model_len=200,
                        prompt_template="Q: {question}\n"), {"seed": 1}),
     ]  # fmt: skip
     for cfg, kw in cases:
@@ -233,7 +233,7 @@ def question(k="q1"):
 
 def run(tok, protocol, turns, tools=None, group_size=1, **cfg_kw):
     """One question rolled out with the scripted turns; returns (records, engine, tools)."""
-    cfg = RolloutConfig(protocol=protocol, max_turns=cfg_kw.pop("max_turns", 4), max_tokens_per_turn=400,
+    cfg = RolloutConfig(protocol=protocol, max_turns=cfg_kw.pop("max_turns", 3), max_tokens_per_turn=400,
                         max_model_len=4096, **cfg_kw)  # fmt: skip
     web = FakeWeb()
     engine = ScriptedEngine(tok, {"q1": turns})
@@ -454,7 +454,7 @@ REWARD = {"webfilter": "webfilter", "deliberative": "deliberative", "bapo": "bap
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_malformed_action_gets_invalid_observation_and_costs_a_turn(bpe, case):
     protocol, bad, says = BAD[case]
-    (r,), engine, web = run(bpe, protocol, [bad, GOOD_END[protocol]], max_turns=3)
+    (r,), engine, web = run(bpe, protocol, [bad, GOOD_END[protocol]], max_turns=2)
     check_bookkeeping(r, bpe, engine)
     (obs,) = tool_texts(r)
     head, tail = protocols.PROTOCOLS[protocol].obs
@@ -476,7 +476,7 @@ def test_malformed_action_gets_invalid_observation_and_costs_a_turn(bpe, case):
 @pytest.mark.parametrize("protocol", ["webfilter", "deliberative", "bapo"])
 def test_malformed_action_on_the_last_turn_ends_the_rollout(bpe, protocol):
     bad = {p: t for p, t, _ in BAD.values()}[protocol]
-    (r,), _, web = run(bpe, protocol, [bad], max_turns=1)
+    (r,), _, web = run(bpe, protocol, [bad], max_turns=0)
     assert r["finish"] == "max_turns" and r["turns"] == 1 and tool_texts(r) == [] and web.calls == []
 
 
@@ -562,3 +562,14 @@ def test_every_protocol_prompt_is_our_own_and_plain_by_default():
         text = render_prompt(" Who? ", cfg=RolloutConfig(protocol=name))
         assert text.endswith(" Question: Who?\n") and "{max_queries}" not in text
         assert "<answer>" in text
+
+
+def test_max_turns_counts_searches_as_search_r1_does(bpe):
+    # issue 23.7: Search-R1's run_llm_loop runs max_turns turns that may search, then a final
+    # generation that may not: max_turns = 2 allows two searches and the answer after them
+    search = "<think> look</think><search> Tavi Morek born</search>"
+    answer = "<think> Velor</think><answer> Velor </answer>"
+    (r,), _, _ = run(bpe, "search_r1", [search, search, answer], max_turns=2)
+    assert r["finish"] == "answer" and r["num_searches"] == 2 and r["turns"] == 3
+    (r,), _, _ = run(bpe, "search_r1", [search, search, search], max_turns=2)
+    assert r["finish"] == "max_turns" and r["num_searches"] == 2  # the third search is not run

@@ -197,7 +197,7 @@ def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext
     world, search, _, corpus = ext
     qs = world.questions["train"][:80]
     hint = ["sft.confidence=random", "sft.p_confidence_hint=1", f"rollout.confidence_after_answer={after}"]
-    cfg = load_config(None, ["rollout.protocol=deliberative", "rollout.max_turns=6", "retriever.topk=1", *hint])
+    cfg = load_config(None, ["rollout.protocol=deliberative", "rollout.max_turns=5", "retriever.topk=1", *hint])
     recs = teacher_rollouts(cfg, qs, make_search_fn(cfg, corpus, {}), world.countries, list(world.city_country))
     texts = [r["response_text"] for r in recs]
     cfg = load_config(None, hint)
@@ -370,7 +370,7 @@ def test_protocol_teachers_write_valid_trajectories_through_the_rollout_loop(ext
         (flawless, "clean"),
         (flawless[:2] + ["sft.confidence=random", "sft.p_site=1", "sft.p_unfaithful_think=1", "sft.p_idk=1"], "flaws"),
     ):
-        cfg = load_config(None, [f"rollout.protocol={protocol}", "rollout.max_turns=6", "retriever.topk=1", *sets])
+        cfg = load_config(None, [f"rollout.protocol={protocol}", "rollout.max_turns=5", "retriever.topk=1", *sets])
         recs = teacher_rollouts(cfg, qs, make_search_fn(cfg, corpus, {}), world.countries, list(world.city_country))
         assert all(r["finish"] == "answer" and not r["invalid_actions"] for r in recs)
         parsed = [parse_response(r.get("response", r["response_text"])) for r in recs]
@@ -395,7 +395,7 @@ def test_a_protocol_world_builds_and_trains_end_to_end(tmp_path):
     SFT -> one GRPO step with vLLM, search + read tools and the deliberative reward (a smoke
     run: 30 SFT steps teach nothing, the wiring is what is checked)."""
     sets = [*MICRO_PAPERS, f"world.cache_dir={tmp_path / 'cache'}", "sft.steps=30", "rollout.protocol=deliberative",
-            "rollout.max_turns=6", "rollout.prompt_template=", "train.steps=1", "train.reward=deliberative",
+            "rollout.max_turns=5", "rollout.prompt_template=", "train.steps=1", "train.reward=deliberative",
             f"train.run_dir={tmp_path / 'runs'}", "rollout.gpu_memory_utilization=0.1"]  # fmt: skip
     cmd = [sys.executable, "train.py", "--config", "configs/tiny_papers.yaml", *sum((["--set", s] for s in sets), [])]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
