@@ -33,9 +33,9 @@ exactly as before: a closing </search> without a block ends the rollout (finish 
 Calls are dicts: {"name": "search", "query": q} or {"name": "read", "id": x} (search_r1's are
 {"query": q}: its tool log predates the names; metrics.py counts a nameless entry as a search).
 Parsing goes through answers.py, the parser the rewards use, so it is written once.
-Known gap: that parser's format check (answers._structure_ok) accepts a <confidence> only next to
-the final answer, so deliberative's step confidences fail rewards.deliberative's r_format
-(tests/test_protocols.py has it as a strict xfail).
+The format check (answers._structure_ok) accepts a <confidence> after any think (deliberative's
+step confidences) and on the final answer; the reward reads the final answer's
+(tests/test_protocols.py: test_deliberative_reward_accepts_step_confidences).
 
 Tools (rollout_batch's `search_fn`): a batched callable (queries -> results), or a dict of them,
 {"search": .., "read": ..}; `web_tools` builds both on websearch.py. A result is text, or a

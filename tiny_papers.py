@@ -16,7 +16,7 @@ GRPO baseline (EM reward) from the same start:
 
   Search-R1              retrieved-token mask vs none (§3.1, Table 4)       tiny_search_r1_nomask.yaml
   Deliberative Searcher  Lagrangian reliability constraint (§2.1, Alg. 1)  tiny_deliberative.yaml
-                         and its fixed-lambda ablation (§4.3)               tiny_deliberative_fixed.yaml
+                         and its fixed-lambda ablation (§3.2)               tiny_deliberative_fixed.yaml
   BAPO                   boundary-aware reward + modulator (eq. 3-6, §4.2) tiny_bapo.yaml
                          and the fixed +0.5-per-IDK ablation                tiny_bapo_fixed.yaml
   WebFilter              source-restricting reward (eq. 2-8)               tiny_webfilter.yaml

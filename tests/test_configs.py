@@ -39,6 +39,7 @@ def test_search_r1_configs():
         assert (t.kl_coef, t.clip_eps, t.entropy_coef, t.grad_clip, t.warmup_frac) == (0.001, 0.2, 0.001, 1.0, 0.285)
         assert (r.max_turns, r.max_tokens_per_turn, r.max_obs_tokens, r.temperature, r.top_p) == (4, 500, 500, 1, 1)
         assert r.engine == "vllm" and r.max_model_len == 4096
+        assert r.chat_template == (kind == "instruct")  # an instruct model is prompted in its chat format
         assert (cfg.retriever.method, cfg.retriever.topk, cfg.retriever.index_factory) == ("dense", 3, "Flat")
         assert "e5-base-v2" in cfg.retriever.model and t.reward == "em" and t.mask_retrieved
         assert t.fsdp and t.bf16 and t.grad_checkpointing and t.cpu_offload and cfg.model.dtype == "bfloat16"

@@ -34,7 +34,7 @@ def test_paper_defaults_and_the_multiplicative_update_by_hand():
     dual_update(c, 0.2)
     assert c.lam == 0.0 and c.last_value == 0.2  # and lambda does not move
     switch_on([c], step=25, total_steps=100)
-    assert current_lambda(c) == 0.01  # initialised to lambda0 when it comes on (§4.3)
+    assert current_lambda(c) == 0.01  # initialised to lambda0 when it comes on (§3.2)
     dual_update(c, 0.5)  # U = 0.5 < a = 0.9: lambda * exp(0.1 * 0.4)
     assert c.lam == pytest.approx(0.01 * math.exp(0.04), rel=1e-12)
     dual_update(c, 1.0)  # U = 1.0 > a: shrinks by exp(-0.01)
