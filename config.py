@@ -4,7 +4,9 @@ Every knob of the trainer lives here, with its default and where the default com
 A YAML file only has to name what it changes, and may start from another (`base: other.yaml`,
 relative to the file). An unknown key is an error that names the key
 (a typo such as `train.lr_rate` must not silently train with the default), and a missing file
-is an error that names the path.
+is an error that names the path. So is a YAML syntax error (with its line), a value of the wrong
+type (`steps: true` is no int), a nan or inf, and a number outside its range (RANGES: `steps: -1`
+must not exit having trained nothing).
 
     >>> cfg = load_config(None, ["train.lr=1e-4", "rollout.max_turns=3"])
     >>> cfg.train.lr, cfg.rollout.max_turns
@@ -20,6 +22,7 @@ Run `python config.py configs/tiny.yaml` to print the resolved config.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -299,8 +302,11 @@ def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
 
 
 def _coerce(value: object, kind: type, key: str) -> object:
-    """YAML gives ints where floats are meant (lr: 1) and strings from --set; accept both."""
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+    """YAML gives ints where floats are meant (lr: 1) and strings from --set; accept both.
+    A bool is an int to Python (isinstance(True, int)), but `steps: true` is a mistake, not 1."""
+    if isinstance(value, bool) and kind in (int, float):
+        raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {value!r}")
+    if kind is float and isinstance(value, (int, float)):
         return float(value)
     if kind is float and isinstance(value, str):
         try:
@@ -344,6 +350,139 @@ def _check_choices(cfg: Config) -> None:
                           f"got {cfg.sft.p_confidence_hint!r} with confidence {cfg.sft.confidence!r}")  # fmt: skip
 
 
+# The allowed range of every numeric key, as its error message says it: ">= 1", "> 0", "[0, 1]",
+# "(0, 1]". An out-of-range value fails at load time, before a model loads: `steps: -1` would exit 0
+# having trained nothing, `max_tokens_per_turn: 0` trains on no tokens, `grad_clip: -1` turns the
+# step into gradient ascent, `hardware.gpus: 0` divides by zero in the plan.
+RANGES = {
+    "world.seed": ">= 0",  # seeds also reach numpy and vLLM, which refuse negative ones
+    "world.n_people": ">= 1",
+    "world.n_cities": ">= 1",
+    "world.n_countries": ">= 1",
+    "world.n_val": ">= 1",
+    "world.n_test": ">= 1",
+    "world.unreliable_frac": "[0, 1]",
+    "world.unanswerable_frac": "[0, 1]",
+    "world.misinfo_frac": "[0, 1]",
+    "model.hidden_size": ">= 1",
+    "model.num_layers": ">= 1",
+    "model.num_heads": ">= 1",
+    "model.intermediate_size": ">= 1",
+    "model.vocab_size": ">= 1",
+    "sft.steps": ">= 0",  # 0: the untrained policy (RL from scratch)
+    "sft.batch_tokens": ">= 1",
+    "sft.lr": "> 0",
+    "sft.warmup_steps": ">= 0",
+    "sft.decay_frac": "[0, 1]",
+    "sft.weight_decay": ">= 0",
+    "sft.probe_every": ">= 0",
+    "sft.p_guess_second_hop": "[0, 1]",
+    "sft.p_no_search": "[0, 1]",
+    "sft.p_confidence_hint": "[0, 1]",
+    "sft.p_idk": "[0, 1]",
+    "sft.p_site": "[0, 1]",
+    "sft.p_unfaithful_think": "[0, 1]",
+    "retriever.topk": ">= 1",
+    "retriever.timeout": "> 0",
+    "retriever.retries": ">= 0",
+    "rollout.max_turns": ">= 0",  # 0 is a valid budget: one answer-only turn (rollout.py)
+    "rollout.max_tokens_per_turn": ">= 1",
+    "rollout.max_obs_tokens": ">= 0",  # a negative cut would drop tokens from the end instead
+    "rollout.temperature": "> 0",  # 0 is greedy: a group of identical rollouts, advantage 0
+    "rollout.top_p": "(0, 1]",
+    "rollout.gpu_memory_utilization": "(0, 1]",
+    "rollout.max_model_len": ">= 1",
+    "rollout.max_queries_per_call": ">= 1",
+    "train.seed": ">= 0",
+    "train.steps": ">= 1",
+    "train.questions_per_step": ">= 1",
+    "train.group_size": ">= 1",  # >= 2 under grpo: _check_ranges
+    "train.lr": "> 0",
+    "train.warmup_frac": "[0, 1]",
+    "train.weight_decay": ">= 0",
+    "train.grad_clip": "> 0",  # 0 zeroes every gradient, a negative one reverses the step
+    "train.clip_eps": "> 0",
+    "train.clip_eps_high": ">= 0",  # 0: = clip_eps
+    "train.dual_clip": ">= 0",  # and 0 or > 1: _check_ranges
+    "train.entropy_coef": ">= 0",
+    "train.kl_coef": ">= 0",
+    "train.loss_norm_tokens": ">= 0",  # 0: rollout.max_model_len
+    "train.adv_eps": "> 0",  # a group of equal rewards has std 0: 0 / 0 without it
+    "train.micro_batch_tokens": ">= 1",
+    "train.epochs": ">= 1",
+    "train.mini_batches": ">= 1",
+    "train.is_correction": ">= 0",  # 0: off
+    "train.critic_lr": "> 0",
+    "train.gae_gamma": "[0, 1]",
+    "train.gae_lambda": "[0, 1]",
+    "train.value_clip": "> 0",
+    "train.resample_groups": ">= 0",
+    "train.bapo_patience": ">= 1",
+    "train.bapo_min_delta": ">= 0",
+    "train.lora_rank": ">= 0",  # 0: full fine-tuning
+    "train.lora_alpha": "> 0",
+    "train.lora_dropout": "[0, 1)",
+    "train.keep_checkpoints": ">= 1",
+    "train.threads": ">= 1",
+    "train.eval_every": ">= 0",  # 0: never
+    "train.save_every": ">= 0",  # 0: only at the end
+    "train.samples_per_step": ">= 0",
+    "eval.max_questions": ">= 0",  # 0: all
+    "hardware.gpus": ">= 1",
+    "hardware.gpu_memory_gb": "> 0",
+    "hardware.vllm_memory_fraction": "(0, 1]",
+}
+# Numeric keys with no range: any finite value means something.
+UNBOUNDED = ("train.rft_accept",)  # a reward threshold; rewards may be negative
+
+
+def _in_range(value: float, spec: str) -> bool:
+    """`value` against a RANGES entry: ">= a", "> a", or an interval such as "[a, b)"."""
+    if spec[0] == ">":
+        op, bound = spec.split()
+        return value >= float(bound) if op == ">=" else value > float(bound)
+    low, high = (float(x) for x in spec[1:-1].split(","))
+    return (low <= value if spec[0] == "[" else low < value) and (value <= high if spec[-1] == "]" else value < high)
+
+
+def _check_ranges(cfg: Config) -> None:
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        for f in dataclasses.fields(sub):
+            value = getattr(sub, f.name)
+            if isinstance(value, float) and not math.isfinite(value):  # nan passes no comparison, inf most
+                raise ConfigError(f"config key '{section.name}.{f.name}' must be a finite number; got {value!r}")
+    for key, spec in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not _in_range(value, spec):
+            raise ConfigError(f"config key '{key}' must be {'' if spec[0] == '>' else 'in '}{spec}; got {value!r}")
+    t = cfg.train
+    if t.algo == "grpo" and t.group_size < 2:
+        raise ConfigError(f"config key 'train.group_size' must be >= 2 with train.algo grpo: a one-rollout group has "
+                          f"advantage 0 under GRPO (only the KL term would train); use >= 2, or algo ppo/rft; "
+                          f"got {t.group_size}")  # fmt: skip
+    if 0 < t.dual_clip <= 1:
+        raise ConfigError(f"config key 'train.dual_clip' must be 0 (off) or > 1 (dual-clip PPO's c: at c <= 1 the "
+                          f"cap -c A would clip on-policy tokens too); got {t.dual_clip!r}")  # fmt: skip
+    m = cfg.model
+    if not m.path and m.hidden_size % m.num_heads:  # the tiny policy is built from these numbers
+        raise ConfigError(f"config key 'model.hidden_size' must be a multiple of model.num_heads; "
+                          f"got {m.hidden_size} and {m.num_heads} heads")  # fmt: skip
+
+
+def _parse_yaml(text: str, where: str, in_file: bool = True) -> object:
+    """yaml.safe_load, with a syntax error as one line that names the file and line (or the override)
+    instead of yaml's multi-line report and a traceback."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None and in_file else where
+        what = ": ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise ConfigError(f"{at}: not valid YAML ({what})") from None
+
+
 def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:
     """Apply one YAML file to cfg; its `base: other.yaml` (relative to the file) goes first, so a
     paper's config names only what it changes (configs/tiny_bapo.yaml: `base: tiny_papers.yaml`)."""
@@ -351,7 +490,11 @@ def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:
         raise ConfigError(f"config file not found: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
     if path.resolve() in seen:
         raise ConfigError(f"config {path}: its base chain loops back to itself")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}: cannot read it: {e}") from None
+    data = _parse_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     base = data.pop("base", None)
@@ -370,8 +513,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         key, eq, raw = item.partition("=")
         if not eq:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
-        _set(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        _set(cfg, key.strip(), _parse_yaml(raw, f"override {item!r}", in_file=False) if raw.strip() else "")
     _check_choices(cfg)
+    _check_ranges(cfg)
     return cfg
 
 

@@ -1,7 +1,10 @@
 """Config loading: defaults, YAML, --set overrides, and errors that name the key or path."""
 
+import dataclasses
+import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,119 @@ def test_train_help_explains_flags():
     assert out.returncode == 0
     for flag in ("--config", "--set", "--resume"):
         assert flag in out.stdout
+
+
+def test_grpo_refuses_a_one_rollout_group():
+    """A one-rollout group has advantage 0 under GRPO: only the KL term would train. PPO (the
+    critic is the baseline) and RFT (keeps rollouts by reward) may roll out once per question."""
+    with pytest.raises(ConfigError, match=r"'train.group_size' must be >= 2 with train.algo grpo.*advantage 0"):
+        load_config(None, ["train.group_size=1"])
+    for algo in ("ppo", "rft"):
+        assert load_config(None, ["train.group_size=1", f"train.algo={algo}"]).train.group_size == 1
+
+
+@pytest.mark.parametrize("override", ["train.steps=true", "train.group_size=false", "train.lr=true",
+                                      "hardware.gpu_memory_gb=true"])  # fmt: skip
+def test_a_bool_is_not_a_number(override):
+    """isinstance(True, int) is True in Python; `steps: true` is still a mistake, not 1 step."""
+    with pytest.raises(ConfigError, match=f"'{override.split('=')[0]}' wants (int|float), got (True|False)"):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("override", ["train.lr=.nan", "train.lr=nan", "train.kl_coef=.inf", "rollout.temperature=inf",
+                                      "train.rft_accept=-.inf", "hardware.gpu_memory_gb=.nan"])  # fmt: skip
+def test_every_float_must_be_finite(override):
+    with pytest.raises(ConfigError, match=f"'{override.split('=')[0]}' must be a finite number"):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    "override, allowed",
+    [
+        ("train.steps=-1", ">= 1"),  # exited 0 having trained nothing
+        ("train.steps=0", ">= 1"),
+        ("train.questions_per_step=0", ">= 1"),
+        ("train.group_size=0", ">= 1"),
+        ("rollout.max_turns=-1", ">= 0"),  # a rollout of no turns: no tokens to train on
+        ("rollout.max_tokens_per_turn=0", ">= 1"),
+        ("train.lr=0", "> 0"),
+        ("train.lr=-1e-4", "> 0"),
+        ("rollout.temperature=0", "> 0"),
+        ("rollout.top_p=0", "in (0, 1]"),
+        ("rollout.top_p=1.5", "in (0, 1]"),
+        ("train.clip_eps=0", "> 0"),
+        ("train.kl_coef=-0.1", ">= 0"),
+        ("train.grad_clip=-1", "> 0"),
+        ("rollout.gpu_memory_utilization=0", "in (0, 1]"),
+        ("rollout.gpu_memory_utilization=1.2", "in (0, 1]"),
+        ("train.epochs=0", ">= 1"),
+        ("train.mini_batches=0", ">= 1"),
+        ("train.micro_batch_tokens=0", ">= 1"),
+        ("hardware.gpus=0", ">= 1"),  # divided by zero in train.py --plan
+        ("hardware.gpu_memory_gb=0", "> 0"),
+        ("world.n_people=0", ">= 1"),
+        ("train.eval_every=-1", ">= 0"),
+        ("train.save_every=-5", ">= 0"),
+        ("train.threads=0", ">= 1"),
+        ("train.gae_lambda=1.5", "in [0, 1]"),
+        ("train.lora_dropout=1", "in [0, 1)"),
+        ("world.misinfo_frac=-0.1", "in [0, 1]"),
+    ],
+)
+def test_out_of_range_values_name_the_key_and_the_range(override, allowed):
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError, match=re.escape(f"config key '{key}' must be {allowed}; got ")):
+        load_config(None, [override])
+
+
+def test_range_edges_are_accepted():
+    cfg = load_config(None, ["rollout.top_p=1", "rollout.max_turns=0", "train.kl_coef=0", "train.save_every=0",
+                             "train.warmup_frac=1", "train.lora_dropout=0", "train.dual_clip=3"])  # fmt: skip
+    assert (cfg.rollout.top_p, cfg.rollout.max_turns, cfg.train.dual_clip) == (1.0, 0, 3.0)
+    with pytest.raises(ConfigError, match="'train.dual_clip' must be 0 \\(off\\) or > 1"):
+        load_config(None, ["train.dual_clip=0.5"])
+
+
+def test_every_numeric_key_has_a_range():
+    """Each int / float field of the config was looked at: it has a range, or is named as unbounded."""
+    from config import RANGES, UNBOUNDED, Config
+
+    numeric = set()
+    for section in dataclasses.fields(Config):
+        hints = typing.get_type_hints(type(getattr(Config(), section.name)))
+        numeric |= {f"{section.name}.{name}" for name, kind in hints.items() if kind in (int, float)}
+    assert numeric == set(RANGES) | set(UNBOUNDED)
+    load_config(None)  # the defaults are in range
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 1\n lr2: x\n")  # line 3 is indented by one space
+    with pytest.raises(ConfigError, match=re.escape(f"{f}:3:")) as e:
+        load_config(f)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=re.escape("override 'train.lr=[1': not valid YAML")) as e:
+        load_config(None, ["train.lr=[1"])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "script, args, says",
+    [
+        ("train.py", ["--config", "BAD"], "BAD:3:"),
+        ("train.py", ["--set", "train.lr=[1"], "override 'train.lr=[1'"),
+        ("train.py", ["--set", "train.steps=-1"], "'train.steps' must be >= 1"),
+        ("train.py", ["--plan", "--set", "hardware.gpus=0"], "'hardware.gpus' must be >= 1"),
+        ("train.py", ["--plan", "--config", "BAD"], "BAD:3:"),
+        ("eval.py", ["--set", "train.lr=.nan"], "'train.lr' must be a finite number"),
+        ("eval.py", ["--config", "BAD"], "BAD:3:"),
+    ],
+)
+def test_cli_reports_a_bad_config_in_one_line(tmp_path, script, args, says):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: 1\n lr2: x\n")
+    args, says = [a.replace("BAD", str(bad)) for a in args], says.replace("BAD", str(bad))
+    out = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
+    assert says in line
