@@ -129,7 +129,19 @@ def load_arch(model: ModelConfig) -> Arch:
     path = Path(model.path)
     cfg_file = path / "config.json"
     if cfg_file.is_file():
-        c = json.loads(cfg_file.read_text())
+        try:
+            c = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}); cannot size the model") from None
+        if not isinstance(c, dict):
+            raise ConfigError(f"{cfg_file} must hold a JSON object; cannot size the model")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                    "num_key_value_heads", "head_dim"):  # fmt: skip
+            value = c.get(key)
+            derived = key in ("num_key_value_heads", "head_dim") and not value  # 0 / null: from the others
+            if key in c and not derived and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                # a 0 divides by zero (head_dim = hidden // heads), a string fails deep in the plan
+                raise ConfigError(f"{cfg_file}: {key!r} must be a positive integer; got {value!r}")
         try:
             return Arch(
                 name=path.name,

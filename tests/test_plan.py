@@ -1,6 +1,7 @@
 """plan.py: the per-GPU memory plan, checked against hand calculations (no model is loaded)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,30 @@ def test_cli_prints_a_verdict():
     bad = subprocess.run([sys.executable, "plan.py", "--set", "model.path=models/nonexistent-model"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "models/nonexistent-model" in bad.stderr
+
+
+@pytest.mark.parametrize("override, says", [
+    ("hardware.gpus=0", "'hardware.gpus' must be >= 1"),
+    ("hardware.gpu_memory_gb=-80", "'hardware.gpu_memory_gb' must be > 0"),
+    ("train.micro_batch_tokens=0", "'train.micro_batch_tokens' must be >= 1"),
+])  # fmt: skip
+def test_cli_refuses_out_of_range_hardware_in_one_line(override, says):
+    """hardware.gpus 0 divided by zero in the plan (a traceback); now the config refuses it."""
+    for cmd in (["plan.py"], ["train.py", "--plan"]):
+        out = subprocess.run([sys.executable, *cmd, "--set", override], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
+        assert says in line
+
+
+@pytest.mark.parametrize("text, says", [('{"hidden_size": 64,\n "vocab_size": }', "config.json:2: not valid JSON"),
+                                        ("[1, 2]", "must hold a JSON object"),
+                                        ('{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 0, '
+                                         '"intermediate_size": 128, "vocab_size": 1000}',
+                                         "'num_attention_heads' must be a positive integer; got 0")])  # fmt: skip
+def test_a_broken_config_json_names_the_file(tmp_path, text, says):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(says)) as e:
+        load_arch(load_config(None, [f"model.path={tmp_path}"]).model)
+    assert str(tmp_path / "config.json") in str(e.value)
