@@ -39,6 +39,11 @@ class DataError(ValueError):
     """A data file that cannot be used (empty question, no answers, bad line); names the place."""
 
 
+class RunDirError(RuntimeError):
+    """The run directory cannot be written (read-only, not a directory, disk full) or a checkpoint
+    in it cannot be read safely; the message names the path and the cause (checkpoint.py)."""
+
+
 @dataclass
 class WorldConfig:
     """The embedded tiny world (DESIGN.md §5): a made-up encyclopedia plus its questions."""

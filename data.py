@@ -11,6 +11,7 @@ tiny world (DESIGN.md §5), built once into `cache/` by world.py.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -57,22 +58,48 @@ def data_paths(cfg: Config) -> dict[str, Path]:
 
 
 def load_questions(path: Path) -> list[dict]:
-    """FlashRAG jsonl or Search-R1 parquet; an empty question or a question without
-    `golden_answers` is an error that names the line (the row for parquet)."""
-    from world import read_jsonl
-
+    """FlashRAG jsonl or Search-R1 parquet; a line that is not a JSON object, an empty question, or
+    `golden_answers` missing or not a list is an error that names the line (the row for parquet)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file not found: {path}")
-    questions = read_parquet_questions(path) if path.suffix == ".parquet" else read_jsonl(path)
-    for n, q in enumerate(questions, 1):
+    if path.suffix == ".parquet":
+        numbered = list(enumerate(read_parquet_questions(path), 1))
+    else:
+        numbered = _read_jsonl_numbered(path)
+    for n, q in numbered:
         if not str(q.get("question", "")).strip():
             raise DataError(f"{path}:{n}: empty question (id {q.get('id')!r})")
         if not q.get("golden_answers"):
             raise DataError(f"{path}:{n}: no golden_answers (id {q.get('id')!r})")
-    if not questions:
+        if not isinstance(q["golden_answers"], list):  # a bare string would be scored letter by letter
+            raise DataError(f"{path}:{n}: golden_answers must be a list, got {q['golden_answers']!r} "
+                            f"(id {q.get('id')!r})")  # fmt: skip
+    if not numbered:
         raise DataError(f"{path}: no questions")
-    return questions
+    return [q for _, q in numbered]
+
+
+def _read_jsonl_numbered(path: Path) -> list[tuple[int, dict]]:
+    """(line number in the file, object) per non-blank line; a bad line is a DataError naming it
+    (world.read_jsonl would raise json's own error, which names neither the file nor, with blank
+    lines skipped, the right line)."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{n}: not a JSON object (got {type(row).__name__})")
+                out.append((n, row))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason})") from None
+    return out
 
 
 def read_parquet_questions(path: Path) -> list[dict]:
@@ -86,14 +113,19 @@ def read_parquet_questions(path: Path) -> list[dict]:
     """
     import pyarrow.parquet as pq
 
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{path}: cannot read it as parquet ({str(e).splitlines()[0] if str(e) else e!r})") from None
     out = []
-    for n, row in enumerate(pq.read_table(path).to_pylist()):
+    for n, row in enumerate(rows):
         truth = (row.get("reward_model") or {}).get("ground_truth") or {}
         golden = row.get("golden_answers") or truth.get("target") or []
         question = row.get("question") or ((row.get("prompt") or [{}])[-1].get("content", ""))
         qid = row.get("id") or (row.get("extra_info") or {}).get("index", n)
         meta = dict(row.get("metadata") or {}) | ({"dataset": row["data_source"]} if row.get("data_source") else {})
-        out.append({"id": str(qid), "question": question, "golden_answers": list(golden), "metadata": meta})
+        golden = golden if isinstance(golden, str) else list(golden)  # list("Paris"): letters; refused later
+        out.append({"id": str(qid), "question": question, "golden_answers": golden, "metadata": meta})
     return out
 
 

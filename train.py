@@ -493,7 +493,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     if resume_from is not None:
         state = load_trainer_state(resume_from, run, optimizer, rank, world)
         if critic_opt is not None:
-            critic_opt.load_state_dict(torch.load(resume_from / f"critic_optimizer.rank{rank}.pt", weights_only=False))
+            critic_opt.load_state_dict(torch.load(resume_from / f"critic_optimizer.rank{rank}.pt", weights_only=True))
         step0, order = state["step"], state["order"]
         rng.setstate(state["data_rng"])
         restore_constraints(constraints, state["constraints"])
@@ -671,6 +671,9 @@ def main(argv: list[str] | None = None) -> None:
         help="print the per-GPU memory plan for this config (hardware.*) and whether it fits; loads no model",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    from checkpoint import verify_checkpoint
+    from config import RunDirError
+
     if args.plan:
         from plan import print_plan
 
@@ -685,6 +688,7 @@ def main(argv: list[str] | None = None) -> None:
             ckpt = latest_checkpoint(run)
             if ckpt is None:
                 raise ConfigError(f"no checkpoint to resume in {run / 'checkpoints'}")
+            verify_checkpoint(ckpt)  # a tampered or broken checkpoint fails here, before any model loads
         else:
             cfg = load_config(args.config, args.set)
             parse_constraints(cfg.train.constraints)
@@ -692,12 +696,12 @@ def main(argv: list[str] | None = None) -> None:
 
             rank, world, _ = init()  # several processes: rank 0 names the run directory
             run, ckpt = Path(broadcast(str(new_run_dir(cfg)) if rank == 0 else "", world)), None
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, RunDirError) as e:  # RunDirError: run_dir read-only, bad checkpoint
         parser.error(str(e))
     print(f"run directory: {run}", flush=True)
     try:
         ev = train(cfg, run, ckpt)
-    except (DataError, FileNotFoundError, ConfigError) as e:
+    except (DataError, FileNotFoundError, ConfigError, RunDirError) as e:  # RunDirError: disk full, say
         sys.exit(f"error: {e}")
     print(f"final eval: {json.dumps(ev)}")
 
