@@ -222,8 +222,22 @@ def load_trainer_state(ckpt: Path, run: Path, optimizer, rank: int = 0, world: i
     optimizer.load_state_dict(load_checkpoint_file(ckpt / f"optimizer.rank{rank}.pt"))
     set_rng_state(state["rng"])
     if rank == 0 and (ckpt / "metrics.jsonl").exists():
-        shutil.copy(ckpt / "metrics.jsonl", run / "metrics.jsonl")
+        try:
+            shutil.copy(ckpt / "metrics.jsonl", run / "metrics.jsonl")
+        except OSError as e:
+            raise RunDirError(f"cannot restore {run / 'metrics.jsonl'}: {_cause(e)}") from None
     return state
+
+
+def check_writable(run: Path) -> None:
+    """Write and remove a file in `run`, so a resumed run in a read-only directory (a read-only
+    mount stops root too) fails before it loads a model, not at its first log line."""
+    probe = run / ".write_check"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"cannot write in the run directory {run}: {_cause(e)}") from None
 
 
 def _step_of(path: Path) -> int:

@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> None:
         help="print the per-GPU memory plan for this config (hardware.*) and whether it fits; loads no model",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    from checkpoint import verify_checkpoint
+    from checkpoint import check_writable, verify_checkpoint
     from config import RunDirError
 
     if args.plan:
@@ -689,6 +689,7 @@ def main(argv: list[str] | None = None) -> None:
             if ckpt is None:
                 raise ConfigError(f"no checkpoint to resume in {run / 'checkpoints'}")
             verify_checkpoint(ckpt)  # a tampered or broken checkpoint fails here, before any model loads
+            check_writable(run)  # and so does a read-only run directory
         else:
             cfg = load_config(args.config, args.set)
             parse_constraints(cfg.train.constraints)

@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import load_trainer_state, log, new_run_dir, save_checkpoint, verify_checkpoint, write_samples
+from checkpoint import (
+    check_writable,
+    load_trainer_state,
+    log,
+    new_run_dir,
+    save_checkpoint,
+    verify_checkpoint,
+    write_samples,
+)
 from config import DataError, RunDirError, load_config
 from data import load_questions
 
@@ -112,6 +120,17 @@ def test_a_read_only_run_dir_is_one_line(tmp_path):
     ro.mkdir(mode=0o555)
     with pytest.raises(RunDirError, match=f"cannot create the run directory {ro}/tiny-.*Permission denied"):
         new_run_dir(load_config(None, [f"train.run_dir={ro}"]))
+
+
+def test_resume_checks_the_run_dir_is_writable_before_any_model(tmp_path):
+    """A resumed run writes metrics.jsonl into its directory: check_writable (train.py --resume,
+    before any model loads) fails at once on one it cannot write."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    with pytest.raises(RunDirError, match=f"cannot write in the run directory {afile}: Not a directory"):
+        check_writable(afile)
+    check_writable(tmp_path)
+    assert list(tmp_path.iterdir()) == [afile]  # the probe file is gone
 
 
 def test_train_cli_reports_an_unwritable_run_dir_before_any_work(tmp_path):
