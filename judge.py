@@ -11,9 +11,10 @@ verifier for r_acc (§2.2). The prompts are ours, written after the papers' inte
 bare 1 or 0, and the first 1/0 (or yes/no) in the reply is the verdict.
 
 The HTTP backend speaks the OpenAI-compatible API (`/completions`, or `/chat/completions` with
-api="chat") with a per-request timeout, retries with exponential backoff (capped at 30 s) on
-connection errors, timeouts and 5xx, bounded concurrency, and an on-disk cache keyed by model and
-prompt (sqlite). When a prompt still fails, `on_failure` decides: "error" raises JudgeError,
+api="chat") with a timeout per prompt that bounds the whole call (retries and a server that
+trickles bytes included), retries with exponential backoff (capped at 30 s) on connection
+errors, timeouts and 5xx, bounded concurrency, and an on-disk cache keyed by model and
+prompt (sqlite). When a prompt still fails, or the reply is malformed, `on_failure` decides: "error" raises JudgeError,
 "zero" scores 0 and counts it in `judge.failures`. Failures are never silent: they are counted,
 and the first message of each kind is printed.
 """
@@ -21,16 +22,17 @@ and the first message of each kind is printed.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import re
 import sqlite3
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from server import post_by
 
 PROMPTS = {
     "answer": (
@@ -60,6 +62,25 @@ MAX_FIELD_CHARS = 4000  # each filled-in field is cut to this, so a runaway roll
 
 class JudgeError(RuntimeError):
     """The judge could not give a verdict and on_failure is "error"."""
+
+
+def reply_text(raw: bytes, chat: bool) -> str:
+    """The completion text of an OpenAI-compatible reply body; ValueError naming what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # HTML, truncated JSON, bad UTF-8, absurd nesting
+        raise ValueError(f"not JSON ({type(e).__name__})") from None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError("no choices[0] object")
+    if chat:
+        message = choices[0].get("message")
+        text, where = message.get("content") if isinstance(message, dict) else None, "choices[0].message.content"
+    else:
+        text, where = choices[0].get("text"), "choices[0].text"
+    if not isinstance(text, str):
+        raise ValueError(f"{where} is {type(text).__name__}, not a string")
+    return text
 
 
 def parse_verdict(text: str) -> float | None:
@@ -157,35 +178,41 @@ class Judge:
             body["structured_outputs"] = {"choice": ["0", "1"]}  # vLLM >= 0.11's guided choice
         endpoint = self.url.rstrip("/") + ("/chat/completions" if chat else "/completions")
         data = json.dumps(body).encode()
-        last = ""
+        deadline = time.monotonic() + self.timeout  # the whole call: retries and backoff included
+        last, attempts = "", 0
         for attempt in range(self.retries + 1):
             if attempt:
+                pause = min(30.0, self.backoff * 2 ** (attempt - 1))
+                if time.monotonic() + pause >= deadline:
+                    break
                 with self._lock:
                     self.retried += 1
-                time.sleep(min(30.0, self.backoff * 2 ** (attempt - 1)))
+                time.sleep(pause)
             with self._lock:
                 self.calls += 1
+            attempts += 1
             try:
-                req = urllib.request.Request(endpoint, data, {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    choice = json.loads(resp.read())["choices"][0]
-                reply = choice["message"]["content"] if chat else choice["text"]
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}: {e.read().decode(errors='replace')[:200]}"
-                if 400 <= e.code < 500:
+                status, raw = post_by(endpoint, data, deadline)
+            except ValueError as e:  # not an http(s) URL: no retry helps
+                return self._fail(f"unreachable: {e}")
+            except (OSError, http.client.HTTPException) as e:  # timeouts, resets, IncompleteRead, ...
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if status != 200:
+                last = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
+                if status < 500:
                     return self._fail(f"refused: {last}")
                 continue
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-                continue
-            except (KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
-                return self._fail(f"malformed reply: {e!r}")
+            try:
+                reply = reply_text(raw, chat)
+            except ValueError as e:
+                return self._fail(f"malformed reply: {e}: {raw[:80]!r}")
             verdict = parse_verdict(reply)
             if verdict is None:
                 return self._fail(f"no verdict: reply {reply[:80]!r}")
             self._store(prompt, reply)
             return verdict
-        return self._fail(f"unreachable: {self.retries + 1} attempts, last error {last}")
+        return self._fail(f"unreachable: {attempts} attempt(s) in the {self.timeout:g} s timeout, last error {last}")
 
     def _hf_verdicts(self, prompts: list[str]) -> list[float]:
         import torch

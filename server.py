@@ -21,10 +21,12 @@ backoff, never retries a 4xx (the request itself is wrong), and raises one clear
 """
 
 import asyncio
+import http.client
 import json
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass
 
 DRAIN_BYTES = 64 * 2**20
@@ -201,11 +203,76 @@ def serve(args) -> None:
     uvicorn.run(create_app(index, limits), host=args.host, port=args.port, log_level="warning")
 
 
+def post_by(endpoint: str, data: bytes, deadline: float) -> tuple[int, bytes]:
+    """POST JSON `data` -> (HTTP status, reply body), all of it (connect, send, status line,
+    headers, body) over by `deadline` (a time.monotonic() value). A socket timeout alone bounds
+    each read, not the call: a server trickling a byte a second held a 2 s call for 25 s. At the
+    deadline a watchdog shuts the socket down and the call raises TimeoutError. Transport
+    failures raise OSError or http.client.HTTPException (IncompleteRead, BadStatusLine, ...); a
+    URL that is not http(s) raises ValueError."""
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {endpoint!r}")
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, parts.port, timeout=left)
+    expired = threading.Event()
+
+    def expire():
+        expired.set()  # before reading conn.sock: a connect that finishes later sees the flag
+        if conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read
+            except OSError:
+                pass
+
+    watchdog = threading.Timer(left, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        conn.connect()
+        if expired.is_set():
+            raise TimeoutError("timed out")
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("POST", path, data, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        reply = resp.read()
+    except (OSError, http.client.HTTPException):
+        if expired.is_set():
+            raise TimeoutError("timed out") from None
+        raise
+    finally:
+        watchdog.cancel()
+        conn.close()
+    if expired.is_set():  # a reply cut short by the watchdog can still parse: never trust it
+        raise TimeoutError("timed out")
+    return resp.status, reply
+
+
+def search_r1_result(reply: bytes, n: int) -> list[list[dict]]:
+    """A /retrieve reply body -> its `result` (n lists of hits); ValueError naming what is wrong."""
+    try:
+        data = json.loads(reply)
+    except (ValueError, RecursionError) as e:  # HTML, truncated JSON, bad UTF-8, absurd nesting
+        raise ValueError(f"not JSON ({type(e).__name__})") from None
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list) or len(result) != n:
+        raise ValueError(f"no 'result' list of {n} hit lists")
+    for hits in result:
+        if not isinstance(hits, list) or not all(isinstance(h, dict) and isinstance(h.get("document"), dict)
+                                                 for h in hits):  # fmt: skip
+            raise ValueError("a hit list is not a list of {'document': {...}, 'score': ...}")
+    return result
+
+
 def http_retrieve(
     url: str, queries: list[str], k: int, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5
 ) -> list[list[dict]]:
     """POST /retrieve (Search-R1 format) -> hits per query. Empty queries are answered locally
-    with no hits (the server refuses them)."""
+    with no hits (the server refuses them). `timeout` bounds the whole call, retries and
+    backoff included: each attempt gets the time left, and no backoff sleeps past it."""
     if not queries:
         return []
     live = [i for i, q in enumerate(queries) if q.strip()]
@@ -214,24 +281,38 @@ def http_retrieve(
         return out
     endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
     body = json.dumps({"queries": [queries[i] for i in live], "topk": k, "return_scores": True}).encode()
-    last = ""
+    deadline = time.monotonic() + timeout
+    last, attempts = "", 0
     for attempt in range(retries + 1):
         if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
-        req = urllib.request.Request(endpoint, body, {"Content-Type": "application/json"})
+            pause = backoff * 2 ** (attempt - 1)
+            if time.monotonic() + pause >= deadline:
+                break
+            time.sleep(pause)
+        attempts += 1
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                result = json.loads(resp.read())["result"]
-            for i, hits in zip(live, result):
-                out[i] = hits
-            return out
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:300]
-            if 400 <= e.code < 500:
-                raise RetrieverError(
-                    f"retrieval server {endpoint} refused the request: HTTP {e.code} {detail}"
-                ) from None
-            last = f"HTTP {e.code} {detail}"
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-    raise RetrieverError(f"retrieval server {endpoint} failed after {retries + 1} attempts; last error: {last}")
+            status, reply = post_by(endpoint, body, deadline)
+        except ValueError as e:
+            raise RetrieverError(f"retrieval server {endpoint}: {e}") from None
+        except (OSError, http.client.HTTPException) as e:  # TimeoutError and refused connections are OSErrors
+            last = f"{type(e).__name__}: {e}"
+            continue
+        detail = reply[:300].decode(errors="replace")
+        if status >= 500:
+            last = f"HTTP {status} {detail}"
+            continue
+        if status != 200:  # a 4xx: the request itself is wrong, a retry would be too
+            raise RetrieverError(f"retrieval server {endpoint} refused the request: HTTP {status} {detail}")
+        try:
+            result = search_r1_result(reply, len(live))
+        except ValueError as e:
+            raise RetrieverError(
+                f"retrieval server {endpoint} answered HTTP 200 but not in Search-R1's format ({e}): {detail[:100]!r}"
+            ) from None
+        for i, hits in zip(live, result):
+            out[i] = hits
+        return out
+    raise RetrieverError(
+        f"retrieval server {endpoint} failed after {attempts} attempt(s) in the {timeout:g} s timeout; "
+        f"last error: {last}"
+    )

@@ -3,9 +3,12 @@ micro policy, and the same model in process with transformers.
 
 The tiny policy is no judge of anything; what is tested is the client: verdicts constrained to
 0/1, the cache, retries through a server restart in the middle of a batch, timeouts counted as
-failures, the failure policy, and the two backends agreeing on the same model.
+failures, the failure policy, and the two backends agreeing on the same model. Malformed and
+trickled replies come from a small hand-written server on 127.0.0.1.
 """
 
+import contextlib
+import http.server
 import os
 import signal
 import socket
@@ -110,7 +113,8 @@ def test_http_judge_survives_a_server_restart_mid_batch(server):
     url = f"http://127.0.0.1:{server['port']}/v1"
     ps = prompts(make_judge(url, "judge")) + server["mixed"]
     reference = make_judge(url, "judge").verdicts(ps)
-    judge = make_judge(url, "judge", concurrency=2, retries=14, backoff=1.0, timeout=30)
+    # the timeout bounds the whole call, retries included: room for vLLM to restart
+    judge = make_judge(url, "judge", concurrency=2, retries=14, backoff=1.0, timeout=600)
 
     def restart():
         while judge.calls < 4:
@@ -136,13 +140,101 @@ def test_timeouts_are_counted_failures_and_the_policy_decides(capsys):
         judge = make_judge(url, "judge", timeout=0.2, retries=1, backoff=0.01, on_failure="zero", concurrency=2)
         got = judge.verdicts(prompts(judge)[:6])
         assert got == [0.0] * 6 and judge.failures == 6
-        assert "judge failure (zero): unreachable: 2 attempts" in capsys.readouterr().out  # said, not swallowed
+        # the 0.2 s timeout bounds the whole call: the first attempt uses it all, no retry is left
+        assert "judge failure (zero): unreachable: 1 attempt(s) in the 0.2 s timeout" in capsys.readouterr().out
         strict = make_judge(url, "judge", timeout=0.2, retries=0, on_failure="error")
         with pytest.raises(JudgeError, match="unreachable"):
             strict.verdicts(prompts(strict)[:1])
     dead = make_judge(f"http://127.0.0.1:{free_port()}/v1", "judge", retries=1, backoff=0.01, on_failure="error")
-    with pytest.raises(JudgeError, match="URLError"):
+    with pytest.raises(JudgeError, match="ConnectionRefusedError"):
         dead.verdicts(["x"])
+
+
+class RawReply(http.server.BaseHTTPRequestHandler):
+    """Reads a POST, then lets the server's `respond(handler)` write the raw reply bytes."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        try:
+            self.server.respond(self)
+        except OSError:  # the client gave up: fine
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def raw_server(respond):
+    """A judge stand-in on 127.0.0.1 answering every POST with respond(handler); yields its /v1 URL."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RawReply)
+    srv.daemon_threads, srv.respond, srv.stopping = True, respond, threading.Event()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    finally:
+        srv.stopping.set()
+        srv.shutdown()
+        srv.server_close()
+
+
+def canned(body: bytes, length: int = -1):
+    """A 200 reply with `body`; `length` other than len(body) declares more than is sent (cut short)."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+    return lambda h: h.wfile.write(head % (len(body) if length < 0 else length) + body)
+
+
+def trickle(where: str):
+    """Headers or body one byte every 0.25 s, for at most 10 s: each read is quick, the call is not."""
+
+    def respond(h):
+        if where == "body":
+            h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+        else:
+            h.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+        for _ in range(40):
+            if h.server.stopping.is_set():
+                return
+            h.wfile.write(b"a")
+            h.wfile.flush()
+            time.sleep(0.25)
+
+    return respond
+
+
+MALFORMED = {  # name: (api, reply)
+    "text null": ("completions", canned(b'{"choices": [{"text": null}]}')),
+    "content null": ("chat", canned(b'{"choices": [{"message": {"content": null}}]}')),
+    "cut short": ("completions", canned(b'{"choices": [{"text": "1"', length=100)),  # IncompleteRead
+    "not UTF-8": ("completions", canned(b'{"choices": [{"text": "\xff1"}]}')),
+    "nested 100k deep": ("completions", canned(b"[" * 100_000 + b"]" * 100_000)),
+    "HTML": ("completions", canned(b"<html><body>502 Bad Gateway</body></html>")),
+    "no choices": ("completions", canned(b'{"choices": []}')),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_replies_go_through_the_failure_policy(name, capsys):
+    """Never a raw TypeError / IncompleteRead / RecursionError: training (on_failure "zero") must
+    score 0 and go on; on_failure "error" raises JudgeError."""
+    api, respond = MALFORMED[name]
+    with raw_server(respond) as url:
+        lenient = make_judge(url, "judge", api=api, timeout=5, retries=1, backoff=0.01, on_failure="zero")
+        assert lenient.verdicts(["x"]) == [0.0] and lenient.failures == 1
+        strict = make_judge(url, "judge", api=api, timeout=5, retries=1, backoff=0.01, on_failure="error")
+        with pytest.raises(JudgeError):
+            strict.verdicts(["x"])
+    assert "judge failure (zero)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["headers", "body"])
+def test_the_timeout_bounds_the_whole_call_against_a_trickling_server(where, capsys):
+    with raw_server(trickle(where)) as url:
+        judge = make_judge(url, "judge", timeout=1.0, retries=3, backoff=0.05, on_failure="zero")
+        t = time.monotonic()
+        assert judge.verdicts(["x"]) == [0.0] and judge.failures == 1
+        assert time.monotonic() - t < 2.0  # 1 s timeout + slack, retries included (was ~10 s: per read)
+    assert "unreachable: 1 attempt(s) in the 1 s timeout, last error TimeoutError" in capsys.readouterr().out
 
 
 def test_in_process_judge_agrees_with_the_server_on_the_same_model(server, micro):

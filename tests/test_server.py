@@ -5,10 +5,13 @@ batching of concurrent requests, the client's timeout / retry / refusal behaviou
 that gets the same observations over HTTP as in process.
 """
 
+import contextlib
+import http.server
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -152,7 +155,7 @@ def test_web_search_and_read_endpoints(server, search_world):
 def test_client_retries_then_fails_clearly_when_nothing_listens():
     url = f"http://127.0.0.1:{free_port()}"
     t = time.time()
-    with pytest.raises(RetrieverError, match=r"failed after 3 attempts; last error: URLError"):
+    with pytest.raises(RetrieverError, match=r"failed after 3 attempt\(s\) in the 1 s timeout; last error: Connection"):
         http_retrieve(url, ["born"], 3, timeout=1, retries=2, backoff=0.2)
     assert time.time() - t >= 0.2 + 0.4  # backoff 0.2 s, then 0.4 s
 
@@ -163,10 +166,87 @@ def test_client_times_out_on_a_server_that_never_answers():
     sock.listen(8)  # accepts connections, never replies
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     t = time.time()
-    with pytest.raises(RetrieverError, match="failed after 2 attempts; last error: .*timed out"):
+    # the timeout bounds the whole call: the first attempt uses it all, no retry is left
+    with pytest.raises(RetrieverError, match=r"failed after 1 attempt\(s\) in the 0.5 s timeout; .*TimeoutError"):
         http_retrieve(url, ["born"], 3, timeout=0.5, retries=1, backoff=0.1)
-    assert 1.0 <= time.time() - t < 10
+    assert 0.5 <= time.time() - t < 1.5
     sock.close()
+
+
+class RawReply(http.server.BaseHTTPRequestHandler):
+    """Reads a POST, then lets the server's `respond(handler)` write the raw reply bytes."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        try:
+            self.server.respond(self)
+        except OSError:  # the client gave up: fine
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def raw_server(respond):
+    """A stand-in server on 127.0.0.1 answering every POST with respond(handler); yields its URL."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RawReply)
+    srv.daemon_threads, srv.respond, srv.stopping = True, respond, threading.Event()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.stopping.set()
+        srv.shutdown()
+        srv.server_close()
+
+
+def canned(body: bytes, status: int = 200):
+    head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+    return lambda h: h.wfile.write(head % (status, len(body)) + body)
+
+
+@pytest.mark.parametrize("where", ["headers", "body"])
+def test_client_timeout_bounds_the_whole_call_against_a_trickling_server(where):
+    """A byte every 0.25 s: each socket read is quick, the call must still end at the timeout."""
+
+    def respond(h):
+        h.wfile.write(b"HTTP/1.1 200 OK\r\n" + (b"Content-Length: 1000\r\n\r\n" if where == "body" else b"X-Slow: "))
+        for _ in range(40):  # at most 10 s
+            if h.server.stopping.is_set():
+                return
+            h.wfile.write(b" ")
+            h.wfile.flush()
+            time.sleep(0.25)
+
+    with raw_server(respond) as url:
+        t = time.monotonic()
+        with pytest.raises(RetrieverError, match=r"in the 1 s timeout; last error: TimeoutError"):
+            http_retrieve(url, ["born"], 3, timeout=1.0, retries=3, backoff=0.05)
+        assert time.monotonic() - t < 2.0  # 1 s + slack, retries included (was ~10 s: the timeout was per read)
+
+
+@pytest.mark.parametrize(
+    "reply,why",
+    [
+        (b"<html><body>Welcome to nginx</body></html>", "not JSON"),
+        (b'{"result": [[{"document": {"id": "1"', "not JSON"),
+        (b'{"result": "\xff"}', "not JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+        (b'{"results": []}', "no 'result' list of 1 hit lists"),
+        (b'{"result": []}', "no 'result' list of 1 hit lists"),
+        (b'{"result": [[{"score": 1.0}]]}', "a hit list is not a list of"),
+    ],
+)
+def test_client_refuses_a_200_that_is_not_search_r1s_format(reply, why):
+    """One RetrieverError naming the server and what is wrong, not a raw JSONDecodeError / KeyError;
+    and no retry (the same server would answer the same)."""
+    with raw_server(canned(reply)) as url:
+        t = time.monotonic()
+        with pytest.raises(RetrieverError, match=f"answered HTTP 200 but not in Search-R1's format \\({why}"):
+            http_retrieve(url, ["born"], 3, timeout=5, retries=3, backoff=2.0)
+        assert time.monotonic() - t < 1.5
+        assert http_retrieve(url, [" "], 3) == [[]]  # nothing to ask: never sent
 
 
 def test_client_does_not_retry_a_refused_request(server):
