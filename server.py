@@ -13,11 +13,17 @@
 Existing Search-R1 clients work unchanged against /retrieve. Unlike the reference server
 (DESIGN.md §7), requests are limited: body size, queries per request, characters per query
 and topk are checked, and each violation gets a 4xx naming the limit; the server stays up.
-Concurrent /retrieve requests are batched: one worker thread drains the queue and sends every
-waiting query to the index in one call, so the dense encoder sees one batch, not many.
+Malformed input (bad UTF-8 or JSON, lone surrogates, JSON nested too deep, a non-bool
+return_scores) is a 4xx too, and a body not received within `body_timeout` s a 408 and a
+closed connection. Concurrent /retrieve requests are batched: one worker thread drains the
+queue and sends every waiting query to the index in one call, so the dense encoder sees one
+batch, not many; requests whose client has gone are dropped before the search, and each
+request's passages are read for its own topk only. /search checks at most `max_scan`
+candidates against its operators (websearch.filtered_hits).
 
-The client (`http_retrieve`) has a timeout, retries 5xx and connection errors with exponential
-backoff, never retries a 4xx (the request itself is wrong), and raises one clear error at the end.
+The client (`http_retrieve`) has a timeout that bounds the whole call (retries and a server
+that trickles bytes included), retries 5xx and connection errors with exponential backoff,
+never retries a 4xx (the request itself is wrong), and raises one clear error at the end.
 """
 
 import asyncio
@@ -41,6 +47,8 @@ class Limits:
     max_queries: int = 512
     max_query_chars: int = 2048
     max_topk: int = 100
+    body_timeout: float = 10.0  # seconds to receive a request body; a slow client gets a 408
+    max_scan: int = 10_000  # /search: candidates checked against the operators (websearch.MAX_SCAN)
 
     @property
     def max_body_bytes(self) -> int:  # generous for JSON escaping; a hard cap before parsing
@@ -62,6 +70,8 @@ def parse_json_body(body: bytes) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(400, f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:  # the parser recurses per level: [[[[... 5,000 deep
+        raise BadRequest(400, "request body is JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest(422, "request body must be a JSON object")
     return data
@@ -78,6 +88,12 @@ def check_query(q, limits: Limits, where: str = "query") -> str:
         raise BadRequest(422, f"{where} must be a string, got {type(q).__name__}")
     if not q.strip():
         raise BadRequest(422, f"{where} is empty")
+    if not q.isascii():
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON "\ud800": parses, but cannot be searched or echoed
+            bad = f"\\u{ord(q[e.start]):04x}"
+            raise BadRequest(422, f"{where} holds a lone surrogate ({bad} at character {e.start})") from None
     if len(q) > limits.max_query_chars:
         raise BadRequest(413, f"{where} has {len(q)} characters; the limit is {limits.max_query_chars}")
     return q
@@ -92,7 +108,10 @@ def parse_retrieve(data: dict, limits: Limits) -> tuple[list[str], int, bool]:
         raise BadRequest(413, f"{len(queries)} queries in one request; the limit is {limits.max_queries}")
     for i, q in enumerate(queries):
         check_query(q, limits, f"queries[{i}]")
-    return queries, check_topk(data.get("topk", 3), limits), bool(data.get("return_scores", True))
+    with_scores = data.get("return_scores", True)
+    if not isinstance(with_scores, bool):  # bool("false") is True
+        raise BadRequest(422, f"return_scores must be true or false, got {with_scores!r}")
+    return queries, check_topk(data.get("topk", 3), limits), with_scores
 
 
 def create_app(index, limits: Limits):
@@ -100,44 +119,74 @@ def create_app(index, limits: Limits):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
-    from retriever import search
+    from retriever import get_passage, search_rows
     from websearch import read, web_search
 
     app = FastAPI(title="search-agent retriever")
-    stats = {"requests": 0, "batches": 0, "queries": 0}
-    queue: asyncio.Queue = asyncio.Queue()
+    stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0}
+    queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request)
     worker: list[asyncio.Task] = []
 
+    def run_batch(batch: list[tuple]) -> list[list[list[dict]]]:
+        """One index call for every query of the batch (at its largest topk); each request's
+        passages are then read for its own topk, not the batch's largest."""
+        rows = search_rows(index, [q for b in batch for q in b[0]], max(b[1] for b in batch))
+        out, at = [], 0
+        for qs, topk, *_ in batch:
+            out.append([[{"document": get_passage(index.corpus, row), "score": score} for row, score in hits[:topk]]
+                        for hits in rows[at : at + len(qs)]])  # fmt: skip
+            at += len(qs)
+        return out
+
+    async def gone(entry: tuple) -> bool:
+        """Has this request's client disconnected? Then its future gets None and no search."""
+        if not await entry[3].is_disconnected():
+            return False
+        stats["dropped"] += 1
+        if not entry[2].done():
+            entry[2].set_result(None)
+        return True
+
     async def drain():
+        # Work of clients that have gone is skipped: 30 aborted requests of 512 queries x topk
+        # 100 once held /retrieve for 20 s of searches nobody would read.
         while True:
-            batch = [await queue.get()]
+            first = await queue.get()
+            if await gone(first):
+                continue
+            batch = [first]
             while not queue.empty() and sum(len(b[0]) for b in batch) < limits.max_queries:
-                batch.append(queue.get_nowait())
-            queries = [q for b in batch for q in b[0]]
-            k = max(b[1] for b in batch)
+                entry = queue.get_nowait()
+                if not await gone(entry):
+                    batch.append(entry)
             try:
-                hits = await asyncio.to_thread(search, index, queries, k)
+                answers = await asyncio.to_thread(run_batch, batch)
             except Exception as e:  # noqa: BLE001 - answered as a 500 to every waiting request
                 for b in batch:
-                    b[2].set_exception(e)
+                    if not b[2].done():
+                        b[2].set_exception(e)
                 continue
             stats["batches"] += 1
-            stats["queries"] += len(queries)
-            at = 0
-            for qs, topk, fut in batch:
-                fut.set_result([h[:topk] for h in hits[at : at + len(qs)]])
-                at += len(qs)
+            stats["queries"] += sum(len(b[0]) for b in batch)
+            for b, hits in zip(batch, answers):
+                if not b[2].done():
+                    b[2].set_result(hits)
 
     async def read_body(request: Request) -> dict:
         # An oversized body is read to the end and dropped (up to DRAIN_BYTES) so the client gets
-        # the 413 instead of a connection reset; it is never held in memory.
+        # the 413 instead of a connection reset; it is never held in memory. A body that has not
+        # arrived within body_timeout s is a 408: a slow client cannot hold a connection forever.
         body, size = bytearray(), 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limits.max_body_bytes:
-                body += chunk
-            elif size > DRAIN_BYTES:
-                break
+        try:
+            async with asyncio.timeout(limits.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size <= limits.max_body_bytes:
+                        body += chunk
+                    elif size > DRAIN_BYTES:
+                        break
+        except TimeoutError:
+            raise BadRequest(408, f"request body not received within {limits.body_timeout:g} s") from None
         if size > limits.max_body_bytes:
             raise BadRequest(
                 413, f"request body over {limits.max_body_bytes} bytes; the limit is {limits.max_body_bytes}"
@@ -146,7 +195,9 @@ def create_app(index, limits: Limits):
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
-        return JSONResponse({"error": e.message}, status_code=e.status)
+        # after a 408 the rest of the body may still come: close rather than parse it as a request
+        headers = {"Connection": "close"} if e.status == 408 else None
+        return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
 
     @app.exception_handler(Exception)
     async def server_error(_, e: Exception):
@@ -159,8 +210,10 @@ def create_app(index, limits: Limits):
         if not worker:
             worker.append(asyncio.create_task(drain()))
         fut = asyncio.get_running_loop().create_future()
-        await queue.put((queries, topk, fut))
+        await queue.put((queries, topk, fut, request))
         hits = await fut
+        if hits is None:  # the client disconnected before its search: nobody reads this
+            return JSONResponse({"error": "client disconnected"}, status_code=499)
         if not with_scores:
             return {"result": [[h["document"] for h in hs] for hs in hits]}
         return {"result": hits}
@@ -168,8 +221,10 @@ def create_app(index, limits: Limits):
     @app.post("/search")
     async def web(request: Request):
         data = await read_body(request)
-        query = check_query(data.get("query"), limits)
-        return await asyncio.to_thread(web_search, index, query, check_topk(data.get("topk", 5), limits))
+        query, topk = check_query(data.get("query"), limits), check_topk(data.get("topk", 5), limits)
+        if await request.is_disconnected():
+            return JSONResponse({"error": "client disconnected"}, status_code=499)
+        return await asyncio.to_thread(web_search, index, query, topk, limits.max_scan)
 
     @app.post("/read")
     async def read_doc(request: Request):

@@ -22,9 +22,11 @@ Operators (all honoured; anything else is plain text, e.g. `filetype:pdf` -> wor
     read(index, "p17", max_tokens=50)   # {"id", "url", "title", "text", "truncated": False, ...}
 
 Candidates come from the index's own ranking (BM25 or dense) over the query's positive words;
-the operators then filter them, widening the candidate pool until k results pass or the whole
-corpus has been considered. Operator words are recognised in their upper-case form on the raw
-query; the text is never lower-cased before that (DESIGN.md §7).
+the operators then filter them, widening the candidate pool until k results pass, the whole
+corpus has been considered, or MAX_SCAN candidates have been checked (a filter that nothing
+passes would otherwise scan all of wiki-18, minutes per query). Operator words are recognised
+in their upper-case form on the raw query; the text is never lower-cased before that
+(DESIGN.md §7).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from retriever import Index, bm25_tokenize, get_passage, iter_passages, search, search_rows, title_and_text
 
 SNIPPET_CHARS = 200
+MAX_SCAN = 10_000  # candidates checked against the operators per query, ~12 us each (filtered_hits)
 
 
 @dataclass
@@ -186,8 +189,9 @@ def _snippet(text: str, words: list[str]) -> str:
     return ("..." if start else "") + cut + ("..." if start + SNIPPET_CHARS < len(text) else "")
 
 
-def web_search(index: Index, query: str, k: int = 5) -> dict:
-    """Operator-aware search: {"query", "error", "results": [{id,title,url,date,domain,snippet,score}]}."""
+def web_search(index: Index, query: str, k: int = 5, max_scan: int = MAX_SCAN) -> dict:
+    """Operator-aware search: {"query", "error", "results": [{id,title,url,date,domain,snippet,score}]}.
+    At most `max_scan` candidates are checked against the operators (filtered_hits)."""
     q = parse_query(query)
     if not q.positive:
         return {
@@ -196,7 +200,7 @@ def web_search(index: Index, query: str, k: int = 5) -> dict:
             "error": "the query has no search words, only operators or exclusions; add words to search for",
         }
     out = []
-    for score, doc in filtered_hits(index, q, k):
+    for score, doc in filtered_hits(index, q, k, max_scan):
         title, body = title_and_text(doc)
         out.append({
             "id": str(doc["id"]), "title": title, "url": doc.get("url", ""), "date": doc.get("date", ""),
@@ -205,10 +209,15 @@ def web_search(index: Index, query: str, k: int = 5) -> dict:
     return {"query": query, "results": out, "error": None}
 
 
-def filtered_hits(index: Index, q: ParsedQuery, k: int) -> list[tuple[float, dict]]:
+def filtered_hits(index: Index, q: ParsedQuery, k: int, max_scan: int = MAX_SCAN) -> list[tuple[float, dict]]:
     """The top k (score, passage) of the index's ranking on q's positive words that pass every
-    operator, widening the candidate pool until k pass or the whole corpus has been seen."""
-    n = len(index.corpus)
+    operator, widening the candidate pool (x8) until k pass or the pool holds the whole corpus.
+
+    Bound: at most max(max_scan, 10 k) top-ranked candidates are ever checked, so a filter that
+    nothing passes costs about max_scan passages (~12 us each: 0.1 s at the default 10,000), not
+    the whole corpus (minutes per query at wiki-18's 21M). A filter that passes fewer than k of
+    those candidates returns fewer than k results."""
+    n = min(len(index.corpus), max(max_scan, 10 * k))
     text = " ".join(q.positive)
     pool, results, seen = max(50, 10 * k), [], set()
     while True:
@@ -225,7 +234,7 @@ def filtered_hits(index: Index, q: ParsedQuery, k: int) -> list[tuple[float, dic
     return sorted(results, key=lambda r: -r[0])[:k]
 
 
-def operator_search(index: Index, queries: list[str], k: int) -> list[list[dict]]:
+def operator_search(index: Index, queries: list[str], k: int, max_scan: int = MAX_SCAN) -> list[list[dict]]:
     """retriever.search's hits, with the operators of each query honoured (site:, -term, ...).
 
     The search tool of the tiny world's Search-R1 tags: `<search> Tavi Morek born
@@ -241,7 +250,7 @@ def operator_search(index: Index, queries: list[str], k: int) -> list[list[dict]
     for i, query in enumerate(queries):
         q = parse_query(query)
         if i not in plain and q.positive:  # only operators: no hits ("No results.")
-            out[i] = [{"document": doc, "score": score} for score, doc in filtered_hits(index, q, k)]
+            out[i] = [{"document": doc, "score": score} for score, doc in filtered_hits(index, q, k, max_scan)]
     return out
 
 
@@ -260,6 +269,12 @@ def format_web_results(res: dict) -> str:
 def read(index: Index, key: str, max_tokens: int = 512, tokenizer=None) -> dict:
     """READ one source by id or url: its text cut to `max_tokens` (words, or `tokenizer` tokens),
     the cut marked in the text. An unknown key is an error result."""
+    if not str(key).isascii():
+        try:
+            str(key).encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800", undecodable argv) cannot be printed
+            shown = str(key).encode("utf-8", "backslashreplace").decode()
+            return {"id": shown, "error": f"no document with id or url {shown!r}: not valid Unicode"}
     row = _find_row(index, str(key).strip())
     if row is None:
         return {"id": key, "error": f"no document with id or url {key!r}"}
@@ -282,8 +297,10 @@ def read(index: Index, key: str, max_tokens: int = 512, tokenizer=None) -> dict:
 
 def _find_row(index: Index, key: str) -> int | None:
     # wiki-18 ids are row numbers: try that before building the id/url table
-    if key.isdigit() and int(key) < len(index.corpus) and str(get_passage(index.corpus, int(key))["id"]) == key:
-        return int(key)
+    # (ASCII digits only: "²".isdigit() is true and int("²") fails)
+    if key.isascii() and key.isdigit() and int(key) < len(index.corpus):
+        if str(get_passage(index.corpus, int(key))["id"]) == key:
+            return int(key)
     if index.rows_by_key is None:
         table: dict[str, int] = {}
         for row, doc in enumerate(iter_passages(index.corpus)):

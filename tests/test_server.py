@@ -9,6 +9,7 @@ import contextlib
 import http.server
 import json
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -22,8 +23,8 @@ import pytest
 from conftest import free_port
 
 from config import RetrieverConfig
-from retriever import load_index, open_search, search
-from server import RetrieverError, http_retrieve
+from retriever import build_index, load_index, open_search, search
+from server import Limits, RetrieverError, create_app, http_retrieve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,6 +104,11 @@ def test_search_r1_request_shape_round_trip(server, search_world):
         ({"queries": "born", "topk": 3}, 422, "non-empty list of strings"),
         ({"queries": [3], "topk": 3}, 422, "queries[0] must be a string"),
         ({"queries": []}, 422, "non-empty list"),
+        ({"queries": ["born \ud800"], "topk": 3}, 422, "queries[0] holds a lone surrogate (\\ud800 at character 5)"),
+        (b'{"queries": ["a"], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
+        (b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
+        ({"queries": ["a"], "return_scores": "false"}, 422, "return_scores must be true or false, got 'false'"),
+        ({"queries": ["a"], "return_scores": 0}, 422, "return_scores must be true or false, got 0"),
     ],
 )
 def test_bad_input_gets_a_4xx_and_the_server_stays_up(server, body, status, message):
@@ -110,6 +116,28 @@ def test_bad_input_gets_a_4xx_and_the_server_stays_up(server, body, status, mess
     assert got == status and message in answer["error"], answer
     assert health(server)["status"] == "ok"
     assert post(server, {"queries": ["born"], "topk": 1})[0] == 200
+
+
+NESTED = b"[" * 5000 + b"]" * 5000
+
+
+@pytest.mark.parametrize(
+    "path,body,status,message",
+    [
+        ("/read", b'{"id": "\\ud800"}', 422, "id holds a lone surrogate (\\ud800 at character 0)"),
+        ("/search", b'{"query": "born \\udfff"}', 422, "query holds a lone surrogate (\\udfff at character 5)"),
+        ("/read", {"id": "\u00b2"}, 200, "no document with id or url '\u00b2'"),  # "²".isdigit(), int("²") fails
+        ("/read", {"id": "\u0663"}, 200, "no document with id or url"),  # Arabic-Indic 3: int() takes it
+        ("/read", b'{"id": "p1", "x": ' + NESTED + b"}", 400, "nested too deeply"),
+        ("/search", NESTED, 400, "nested too deeply"),
+    ],
+)
+def test_bad_read_and_search_input_is_answered_and_the_server_stays_up(server, path, body, status, message):
+    """One line (an error result or a 4xx), never a 500."""
+    got, answer = post(server, body, path)
+    assert got == status and message in answer["error"], answer
+    assert health(server)["status"] == "ok"
+    assert post(server, {"id": "p1", "max_tokens": 3}, "/read")[0] == 200
 
 
 def test_oversized_body_is_refused_before_parsing(server):
@@ -150,6 +178,114 @@ def test_web_search_and_read_endpoints(server, search_world):
     assert status == 200 and "only operators" in body["error"]
     assert post(server, {"id": "", "max_tokens": 3}, "/read")[0] == 422
     assert post(server, {"id": "p1", "max_tokens": 0}, "/read")[0] == 422
+
+
+@pytest.fixture(scope="module")
+def bm25_dir(search_world, tmp_path_factory):
+    """A BM25-only index of the search world (fast to load in process)."""
+    return build_index(search_world[1], tmp_path_factory.mktemp("bm25") / "bm25", "bm25")
+
+
+@contextlib.contextmanager
+def app_server(index, **limits):
+    """create_app under uvicorn in a thread on 127.0.0.1 (limits the CLI does not set); yields (url, port)."""
+    import uvicorn
+
+    lim = Limits()
+    for key, value in limits.items():
+        setattr(lim, key, value)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(index, lim), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", port
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def raw_request(port: int, body: bytes, length: int = -1) -> socket.socket:
+    """A POST /retrieve on a fresh connection; `length` above len(body) leaves the body unfinished."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    length = length if length >= 0 else len(body)
+    s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length + body)
+    return s
+
+
+def reset(s: socket.socket) -> None:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST: an aborted client
+    s.close()
+
+
+def test_a_body_that_does_not_arrive_gets_a_408_and_a_closed_connection(bm25_dir):
+    with app_server(load_index(bm25_dir), body_timeout=1.0) as (url, port):
+        slow = raw_request(port, b'{"queries": ["bo', length=100)  # 84 bytes promised, never sent
+        t, reply = time.monotonic(), b""
+        while chunk := slow.recv(65536):  # the server answers, then closes
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"request body not received within 1 s" in reply
+        assert time.monotonic() - t < 3  # (before: no answer, ever; here the 5 s socket timeout)
+        slow.close()
+        assert post(url, {"queries": ["born"], "topk": 1})[0] == 200
+
+
+def test_queued_work_of_clients_that_have_gone_is_skipped(bm25_dir):
+    """30 clients send 512 queries x topk 100 and reset the connection while queued: none of that
+    is searched (it made /retrieve take 20 s), and the next request is answered at once."""
+    body = json.dumps({"queries": [f"born in the city {i}" for i in range(512)], "topk": 100}).encode()
+    with app_server(load_index(bm25_dir)) as (url, port):
+        before = health(url)
+        aborted = [raw_request(port, body) for _ in range(30)]
+        time.sleep(0.5)  # read and queued behind the first, which the worker is searching
+        for s in aborted:
+            reset(s)
+        t = time.monotonic()
+        status, answer = post(url, {"queries": ["born"], "topk": 3})
+        assert status == 200 and len(answer["result"][0]) == 3
+        assert time.monotonic() - t < 3.0
+        after = health(url)
+        assert after["batches"] - before["batches"] <= 3  # ours and at most the two first aborted ones
+        assert after["dropped"] >= 25 and after["status"] == "ok"
+
+
+def test_each_request_reads_passages_for_its_own_topk_only(bm25_dir, monkeypatch):
+    """A topk-1 request batched with a topk-100 one reads 1 passage per query, not 100."""
+    import retriever
+
+    index = load_index(bm25_dir)
+    reads, started, release = [0], threading.Event(), threading.Event()
+    real_rows, real_get = retriever.search_rows, retriever.get_passage
+
+    def rows(index, queries, k, method=""):
+        if queries == ["block"]:  # holds the worker so the next two requests queue up together
+            started.set()
+            release.wait(10)
+        return real_rows(index, queries, k, method)
+
+    def get(corpus, row):
+        reads[0] += 1
+        return real_get(corpus, row)
+
+    monkeypatch.setattr(retriever, "search_rows", rows)
+    monkeypatch.setattr(retriever, "get_passage", get)
+    with app_server(index) as (url, _), ThreadPoolExecutor(3) as pool:
+        blocker = pool.submit(post, url, {"queries": ["block"], "topk": 1})
+        assert started.wait(10)
+        wide = pool.submit(post, url, {"queries": ["born in the city"] * 8, "topk": 100})
+        narrow = pool.submit(post, url, {"queries": ["born in the city"], "topk": 1})
+        deadline = time.monotonic() + 10
+        while health(url)["requests"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        release.set()
+        answers = [f.result()[1]["result"] for f in (blocker, wide, narrow)]
+        assert health(url)["batches"] == 2  # wide and narrow were searched in one batch
+    assert [len(hs) for hs in answers[2]] == [1] and all(len(hs) == 100 for hs in answers[1])
+    assert reads[0] == sum(len(hs) for a in answers for hs in a)  # (before: 8 x 100 + 100 for narrow)
 
 
 def test_client_retries_then_fails_clearly_when_nothing_listens():
