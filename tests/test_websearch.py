@@ -1,12 +1,21 @@
 """Web-style operators (WebFilter) and READ (Deliberative Searcher), each checked for its meaning
 on a hand-made corpus where the right answer is known, then on the tiny world's unreliable domains."""
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from transformers import AutoTokenizer
 
+import websearch
 from retriever import build_index, load_index
-from websearch import parse_query, read, web_search
+from websearch import MAX_SCAN, parse_query, read, web_search
 from world import write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DOCS = [  # id, title, text, domain, date
     ("a1", "Apple Orchard", "Red apple trees grow in the north valley.", "farm.org", "2010-05-01"),
@@ -95,6 +104,45 @@ def test_read_by_id_or_url_with_marked_truncation(index, tmp_path):
     assert cut["text"].startswith("apple orchard history apple orchard history apple orchard history apple ...")
     missing = read(index, "nope", 10)
     assert "no document with id or url 'nope'" in missing["error"]
+
+
+def test_read_of_non_ascii_digits_and_lone_surrogates_is_an_error_result(index):
+    assert "no document with id or url '\u00b2'" in read(index, "\u00b2", 10)["error"]  # "²".isdigit(); int() fails
+    bad = read(index, "a1\ud800", 10)  # JSON "\ud800", or argv bytes that are not UTF-8
+    assert bad["id"] == "a1\\ud800" and "not valid Unicode" in bad["error"]
+    bad["error"].encode("utf-8")  # printable
+
+
+@pytest.mark.parametrize("key", [b"\xc2\xb2", b"a1\xff"])  # "²", and bytes that are not UTF-8
+def test_cli_read_of_a_bad_key_is_one_clear_answer(index, key):
+    env = os.environ | {"PYTHONIOENCODING": "utf-8:strict"}  # a UTF-8 terminal (the C locale would escape)
+    out = subprocess.run([sys.executable, str(ROOT / "retriever.py"), "read", "--index", str(index.dir), key],
+                         cwd=ROOT, env=env, capture_output=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr.decode(errors="replace")
+    assert b'"error": "no document with id or url' in out.stdout
+
+
+def test_a_filter_nothing_passes_checks_at_most_max_scan_candidates(tmp_path, monkeypatch):
+    """It used to widen until the whole corpus had been checked (~12 us a passage: minutes per
+    query at wiki-18 scale); now at most MAX_SCAN candidates are."""
+    n = MAX_SCAN + 2_000
+    write_jsonl(tmp_path / "corpus.jsonl", [
+        {"id": f"d{i}", "contents": f'"D{i}"\nword{i % 97} common text', "domain": "farm.org"} for i in range(n)
+    ])  # fmt: skip
+    big = load_index(build_index(tmp_path / "corpus.jsonl", tmp_path / "bm25"))
+    checked = []
+    real = websearch.matches
+    monkeypatch.setattr(websearch, "matches", lambda q, doc: checked.append(1) or real(q, doc))
+    t = time.monotonic()
+    res = web_search(big, "common site:nowhere.example", 5)
+    assert res["error"] is None and res["results"] == []
+    assert len(checked) == MAX_SCAN < n
+    assert time.monotonic() - t < 5
+    checked.clear()
+    assert len(web_search(big, "common word3 site:farm.org", 5)["results"]) == 5 and len(checked) <= 50
+    checked.clear()
+    assert web_search(big, "common site:nowhere.example", 5, max_scan=300)["results"] == []
+    assert len(checked) == 300  # pools of 50, then 400 cut to 300 (the 50 already seen are skipped)
 
 
 def test_read_budget_in_model_tokens(index, micro):
