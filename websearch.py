@@ -158,7 +158,7 @@ def _holds(expr, words: set[str], text: str) -> bool:
 def _domain_of(doc: dict) -> str:
     if doc.get("domain"):
         return doc["domain"].lower()
-    m = re.match(r"^[a-z]+://([^/:]+)", doc.get("url", ""), re.I)
+    m = re.match(r"^[a-z]+://([^/:]+)", doc.get("url") or "", re.I)  # url may be null
     return m.group(1).lower() if m else ""
 
 

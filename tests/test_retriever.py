@@ -6,6 +6,7 @@ approximate faiss indexes against Flat.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import retriever
 from config import ConfigError, DataError
-from retriever import bm25_tokenize, build_index, load_index, search, search_rows
+from retriever import bm25_tokenize, build_index, load_index, scan_corpus, search, search_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,3 +220,43 @@ def test_encoder_conventions_on_a_local_hub_style_model(tmp_path, family_dir, pr
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     if enc.family == "e5":  # passages get their own prefix, so the same text embeds differently
         assert not np.allclose(encode(enc, texts, "passage"), got, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"id": "1", "contents": null}', "'contents' must be a string, got null"),
+        ('{"id": "1", "contents": 42}', "'contents' must be a string, got int 42"),
+        ('{"id": "1", "contents": ["a", "b"]}', "'contents' must be a string, got a list"),
+        ('{"id": null, "contents": "x"}', "'id' must be a string or an integer, got null"),
+        ('{"id": true, "contents": "x"}', "'id' must be a string or an integer, got a boolean"),
+        ('{"id": "1", "contents": "x", "date": 2015}', "'date' must be a string when present, got int 2015"),
+        ('{"id": "1", "contents": "x", "url": {"a": 1}}', "'url' must be a string when present, got an object"),
+    ],
+)
+def test_a_corpus_line_of_the_wrong_types_is_one_error_naming_file_and_line(tmp_path, line, message):
+    """Was a traceback from deep inside the BM25 build (or a crash at search time)."""
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"id": "0", "contents": "\\"A\\"\\nok"}\n\n' + line + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{path}:3: {message}")):
+        build_index(path, tmp_path / "idx")
+    assert not (tmp_path / "idx").exists()  # refused before anything was written
+
+
+def test_duplicate_ids_are_refused_naming_both_lines(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    rows = [{"id": i, "contents": "x"} for i in ["a", "7", "b", 7]]  # ids are compared as strings: 7 is "7"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    want = f"{path}: duplicate id '7' on lines 2 and 4; passage ids must be unique"
+    with pytest.raises(DataError, match=re.escape(want)):
+        build_index(path, tmp_path / "idx")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    assert len(scan_corpus(path)) == 3
+
+
+def test_an_id_hash_collision_is_not_a_duplicate(tmp_path, monkeypatch):
+    """Duplicates are found by sorting 64-bit hashes; equal hashes are confirmed on the ids."""
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": f"d{i}", "contents": "x"}) + "\n" for i in range(50)))
+    monkeypatch.setattr(retriever, "hash", lambda _: 0, raising=False)  # every id collides
+    assert len(scan_corpus(path)) == 50
