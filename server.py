@@ -127,19 +127,12 @@ def create_app(index, limits: Limits):
     queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request)
     worker: list[asyncio.Task] = []
 
-    def run_batch(batch: list[tuple]) -> list[list[list[dict]]]:
-        """One index call for every query of the batch (at its largest topk); each request's
-        passages are then read for its own topk, not the batch's largest."""
-        rows = search_rows(index, [q for b in batch for q in b[0]], max(b[1] for b in batch))
-        out, at = [], 0
-        for qs, topk, *_ in batch:
-            out.append([[{"document": get_passage(index.corpus, row), "score": score} for row, score in hits[:topk]]
-                        for hits in rows[at : at + len(qs)]])  # fmt: skip
-            at += len(qs)
-        return out
+    def read_hits(rows: list[list[tuple[int, float]]], topk: int) -> list[list[dict]]:
+        return [[{"document": get_passage(index.corpus, row), "score": score} for row, score in hits[:topk]]
+                for hits in rows]  # fmt: skip
 
     async def gone(entry: tuple) -> bool:
-        """Has this request's client disconnected? Then its future gets None and no search."""
+        """Has this request's client disconnected? Then its future gets None and no more work."""
         if not await entry[3].is_disconnected():
             return False
         stats["dropped"] += 1
@@ -149,7 +142,9 @@ def create_app(index, limits: Limits):
 
     async def drain():
         # Work of clients that have gone is skipped: 30 aborted requests of 512 queries x topk
-        # 100 once held /retrieve for 20 s of searches nobody would read.
+        # 100 once held /retrieve for 20 s of searches nobody would read. The batch is one index
+        # call (at its largest topk); passages, most of the time, are then read per request, for
+        # its own topk, and only if its client is still there.
         while True:
             first = await queue.get()
             if await gone(first):
@@ -159,18 +154,22 @@ def create_app(index, limits: Limits):
                 entry = queue.get_nowait()
                 if not await gone(entry):
                     batch.append(entry)
+            queries = [q for b in batch for q in b[0]]
             try:
-                answers = await asyncio.to_thread(run_batch, batch)
-            except Exception as e:  # noqa: BLE001 - answered as a 500 to every waiting request
+                rows = await asyncio.to_thread(search_rows, index, queries, max(b[1] for b in batch))
+                stats["batches"] += 1
+                stats["queries"] += len(queries)
+                at = 0
+                for entry in batch:
+                    mine, at = rows[at : at + len(entry[0])], at + len(entry[0])
+                    if not await gone(entry):
+                        hits = await asyncio.to_thread(read_hits, mine, entry[1])
+                        if not entry[2].done():
+                            entry[2].set_result(hits)
+            except Exception as e:  # noqa: BLE001 - answered as a 500 to every request still waiting
                 for b in batch:
                     if not b[2].done():
                         b[2].set_exception(e)
-                continue
-            stats["batches"] += 1
-            stats["queries"] += sum(len(b[0]) for b in batch)
-            for b, hits in zip(batch, answers):
-                if not b[2].done():
-                    b[2].set_result(hits)
 
     async def read_body(request: Request) -> dict:
         # An oversized body is read to the end and dropped (up to DRAIN_BYTES) so the client gets

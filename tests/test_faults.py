@@ -1,0 +1,92 @@
+"""A bounded fault probe of the retrieval server, on 127.0.0.1 only: slow-body clients, clients
+that abort while their work is queued, and JSON nested 5,000 deep, all at once; /retrieve must
+still answer within 1 s (through the rollouts' own client, whose timeout bounds the whole call)
+and the server stays up. A few seconds in all, a fixed number of connections."""
+
+import contextlib
+import json
+import socket
+import struct
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import free_port
+
+from config import WorldConfig
+from retriever import build_index, load_index
+from server import Limits, create_app, http_retrieve
+from world import generate_world, write_jsonl
+
+N_SLOW, N_ABORTED, N_NESTED = 20, 30, 5
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    base = tmp_path_factory.mktemp("faults")
+    world = generate_world(WorldConfig(seed=5, n_people=150, n_cities=20, n_countries=5, n_val=5, n_test=5))
+    write_jsonl(base / "corpus.jsonl", world.corpus)
+    return load_index(build_index(base / "corpus.jsonl", base / "bm25"))
+
+
+@contextlib.contextmanager
+def app_server(index, limits: Limits):
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(index, limits), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", port
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def send(port: int, body: bytes, length: int = -1) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    length = length if length >= 0 else len(body)
+    s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length + body)
+    return s
+
+
+def answer(s: socket.socket) -> bytes:
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    s.close()
+    return reply
+
+
+def test_faults_leave_retrieve_answering_within_a_second(index):
+    limits = Limits()
+    limits.body_timeout = 0.5
+    with app_server(index, limits) as (url, port):
+        assert http_retrieve(url, ["born"], 3, timeout=5)[0]  # warm
+        slow = [send(port, b'{"queries": ["bo', length=200) for _ in range(N_SLOW)]  # the rest never comes
+        work = json.dumps({"queries": [f"born in the city {i}" for i in range(128)], "topk": 100}).encode()
+        aborted = [send(port, work) for _ in range(N_ABORTED)]
+        nested = b'{"queries": ["a"], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        for _ in range(N_NESTED):
+            req = urllib.request.Request(url + "/retrieve", nested, {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=5)
+            assert e.value.code == 400 and b"nested too deeply" in e.value.read()
+        time.sleep(0.2)  # the aborted requests are read and queued
+        for s in aborted:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset
+            s.close()
+        t = time.monotonic()
+        hits = http_retrieve(url, ["Where was someone born?"], 3, timeout=1.0, retries=0)
+        assert len(hits[0]) == 3 and time.monotonic() - t < 1.0
+        replies = [answer(s) for s in slow]  # each a 408 after 0.5 s, then a closed connection
+        assert all(r.startswith(b"HTTP/1.1 408") for r in replies), replies[0][:200]
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            health = json.loads(r.read())
+        assert health["status"] == "ok" and health["dropped"] >= N_ABORTED - 2
