@@ -17,8 +17,8 @@ Malformed input (bad UTF-8 or JSON, lone surrogates, JSON nested too deep, a non
 return_scores) is a 4xx too, and a body not received within `body_timeout` s a 408 and a
 closed connection. Concurrent /retrieve requests are batched: one worker thread drains the
 queue and sends every waiting query to the index in one call, so the dense encoder sees one
-batch, not many; requests whose client has gone are dropped before the search, and each
-request's passages are read for its own topk only. /search checks at most `max_scan`
+batch, not many; requests whose client has gone are dropped before their search and before
+their passages are read, and each request's passages are read for its own topk only. /search checks at most `max_scan`
 candidates against its operators (websearch.filtered_hits).
 
 The client (`http_retrieve`) has a timeout that bounds the whole call (retries and a server
@@ -143,8 +143,8 @@ def create_app(index, limits: Limits):
     async def drain():
         # Work of clients that have gone is skipped: 30 aborted requests of 512 queries x topk
         # 100 once held /retrieve for 20 s of searches nobody would read. The batch is one index
-        # call (at its largest topk); passages, most of the time, are then read per request, for
-        # its own topk, and only if its client is still there.
+        # call (at its largest topk); then each request's passages, where most of the time goes,
+        # are read for its own topk only, and only if its client is still there.
         while True:
             first = await queue.get()
             if await gone(first):
