@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.tensor  # noqa: F401  registers DTensor with weights_only loading (FSDP2 optimizer shards)
 import yaml
 
 from config import Config, ConfigError, RunDirError, config_to_dict

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+import precision
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message says which key or path."""
@@ -80,7 +82,9 @@ class ModelConfig:
     num_heads: int = 4  # head_dim = hidden/heads = 64: vLLM CPU supports 64, not 16 (DESIGN §6)
     intermediate_size: int = 1024
     vocab_size: int = 2048  # byte-level BPE trained on the world: most names are 1-3 tokens
-    dtype: str = "float32"
+    # weights of the rollout engine and the frozen reference. auto: bfloat16 on a GPU with native
+    # bf16, float32 otherwise (precision.py); the trained policy keeps fp32 master weights
+    dtype: str = "auto"
 
 
 @dataclass
@@ -95,7 +99,7 @@ class SFTConfig:
     weight_decay: float = 0.0
     train_on_observations: bool = True  # SFT targets include <information> text (see sft.py)
     probe_every: int = 100  # held-out copy-accuracy probe (sft.copy_probe); 0 = only at the end
-    bf16: bool = True  # autocast; ~2x faster on CPUs with AMX/AVX512-bf16 (DESIGN §6)
+    bf16: bool | str = "auto"  # autocast; auto: where bf16 is native (precision.py), ~2x faster there
     # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
     p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop
     p_no_search: float = 0.1  # answer without searching at all
@@ -216,6 +220,9 @@ class TrainConfig:
     # a list of {name, stat, threshold, direction, lambda0, eta, warmup_frac, fixed_lambda,
     # measure, param}. See configs/tiny_lagrangian.yaml.
     constraints: list = field(default_factory=list)
+    # Experiment tracking (tracking.py): tensorboard and / or wandb get the scalars of metrics.jsonl
+    report_to: list = field(default_factory=list)  # e.g. [tensorboard, wandb]; --set train.report_to=tensorboard
+    wandb_project: str = "search-agent-rl"
     # PPO (Search-R1 released scripts): critic = value head on its own copy of the base model.
     critic_lr: float = 1e-5
     gae_gamma: float = 1.0
@@ -236,7 +243,7 @@ class TrainConfig:
     rft_accept: float = 1.0
     # Memory and parallelism (one code path: CPU processes with gloo, GPUs with NCCL).
     fsdp: bool = False  # shard parameters, gradients and optimizer state across processes
-    bf16: bool = False  # bf16 autocast for forward/backward (master weights stay fp32)
+    bf16: bool | str = "auto"  # bf16 autocast of forward/backward (fp32 master); auto: where native
     grad_checkpointing: bool = False
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
     # LoRA (lora.py): 0 = full fine-tuning; > 0 trains adapters only, vLLM gets the merged weights
@@ -309,8 +316,14 @@ def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
 def _coerce(value: object, kind: type, key: str) -> object:
     """YAML gives ints where floats are meant (lr: 1) and strings from --set; accept both.
     A bool is an int to Python (isinstance(True, int)), but `steps: true` is a mistake, not 1."""
+    if kind == bool | str:  # true | false | auto (precision.py)
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ConfigError(f"config key '{key}' must be true, false or auto; got {value!r}")
     if isinstance(value, bool) and kind in (int, float):
         raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {value!r}")
+    if kind is list and isinstance(value, str):  # --set train.report_to=tensorboard,wandb
+        return [v.strip() for v in value.split(",") if v.strip()]
     if kind is float and isinstance(value, (int, float)):
         return float(value)
     if kind is float and isinstance(value, str):
@@ -326,6 +339,7 @@ def _coerce(value: object, kind: type, key: str) -> object:
 # Keys whose value must be one of a few words; a typo is an error naming the key, not a silent default.
 CHOICES = {
     "train.kl_estimator": ("k1", "k2", "k3"),
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "train.adv_std": ("group", "batch", "none"),
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "retriever.method": ("bm25", "dense", "hybrid"),
@@ -342,6 +356,9 @@ CHOICES = {
 
 
 def _check_choices(cfg: Config) -> None:
+    for name in cfg.train.report_to:
+        if name not in ("tensorboard", "wandb"):
+            raise ConfigError(f"config key 'train.report_to' must list tensorboard and / or wandb; got {name!r}")
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -509,8 +526,10 @@ def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:
         _set(cfg, str(key), value)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML scalars)."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None, resolve_auto: bool = True) -> Config:
+    """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML scalars). The
+    `auto` precision keys become this machine's choice (precision.resolve) unless resolve_auto is
+    False (the memory plan resolves them for the GPUs it plans)."""
     cfg = Config()
     if path is not None:
         _apply_file(cfg, Path(path), [])
@@ -521,6 +540,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         _set(cfg, key.strip(), _parse_yaml(raw, f"override {item!r}", in_file=False) if raw.strip() else "")
     _check_choices(cfg)
     _check_ranges(cfg)
+    if resolve_auto:
+        precision.resolve(cfg)
     return cfg
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from answers import parsed
 from config import Config, ConfigError, DataError, load_config
+from precision import describe as describe_precision
 from rewards import score, source_restricting
 from rollout import rollout_batch
 
@@ -183,7 +184,7 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
             raise ValueError(f"{model_dir} is not the architecture of {rows_spec[0][1]}: evaluate it separately")
     for label, model_dir, modes in rows_spec:
         if engine is None:
-            engine = make_engine(cfg.rollout.engine, model_dir, cfg.rollout)  # before the retriever (bm25s)
+            engine = make_engine(cfg.rollout.engine, model_dir, cfg.rollout, cfg.model.dtype)  # before bm25s
             search_fn = make_search_fn(cfg, _corpus(cfg), {})
         else:
             engine.load_weights(load_policy(model_dir).state_dict().items())
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.set)
     except (ConfigError, FileNotFoundError) as e:
         parser.error(str(e))
+    print(describe_precision(cfg), flush=True)
     models = []
     for spec in args.model:
         label, _, path = spec.rpartition("=")

@@ -78,6 +78,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import precision
 from config import Config, ConfigError, ModelConfig, load_config
 
 GB = 1e9
@@ -204,12 +205,21 @@ def optimizer_bytes_per_param(kind: str, param_bytes: int) -> float:
 # The plan.
 
 
+def planned(cfg: Config) -> Config:
+    """A copy of cfg whose `auto` precision keys are resolved as on the GPUs of the plan (native
+    bf16), not as on the machine that prints it."""
+    cfg = copy.deepcopy(cfg)
+    precision.resolve(cfg, native=True, gpu=True)
+    return cfg
+
+
 def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     """Per-GPU memory in GB (and host RAM per GPU process), row by row, and whether it fits.
 
     Returns {"model", "rows", "gpu", "host", "vllm", "train_total", "train_budget", "train_fits",
     "vllm_fits", "fits", "advice", ...}; `gpu` and `host` map each row's key to its GB.
     """
+    cfg = planned(cfg)
     a, t, hw = load_arch(cfg.model), cfg.train, cfg.hardware
     n, n_critic = param_count(a), critic_param_count(a)
     b = 2 if cfg.model.dtype in HALF else 4  # bytes per parameter (and per gradient)
@@ -333,6 +343,7 @@ def advice(cfg: Config, plan: dict) -> list[str]:
 
 def format_plan(cfg: Config, plan: dict) -> str:
     """The plan as an aligned table, one row per component, each with its formula."""
+    cfg = planned(cfg)
     t, hw, a, v = cfg.train, cfg.hardware, plan["model"]["arch"], plan["vllm"]
     b = 2 if cfg.model.dtype in HALF else 4
     switches = [
@@ -405,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        return 0 if print_plan(load_config(args.config, args.set)) else 1
+        return 0 if print_plan(load_config(args.config, args.set, resolve_auto=False)) else 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

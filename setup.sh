@@ -4,6 +4,12 @@
 # For a CUDA box see README "GPU install".
 set -euo pipefail
 cd "$(dirname "$0")"
+# Debian's Chromium renders the trajectory viewer in tests/test_viewer.py (headless). Elsewhere
+# (no apt-get) install a Chromium yourself, or that one test fails naming it.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
 PY=${PYTHON:-python3}
 stamp=.venv/.installed
 want=$(cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-16)

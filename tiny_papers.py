@@ -50,6 +50,11 @@ RUNS = {  # row -> config
     "Search-R1: no retrieved-token mask": "configs/tiny_search_r1_nomask.yaml",
     "Deliberative: Lagrangian": "configs/tiny_deliberative.yaml",
     "Deliberative: fixed λ = 0.1": "configs/tiny_deliberative_fixed.yaml",
+    # advantages normalised by the batch's std / by none (issue 23 item 20; results/deliberative_adv_std.md)
+    "Deliberative: Lagrangian, batch std": "configs/tiny_deliberative_batchstd.yaml",
+    "Deliberative: Lagrangian, no std": "configs/tiny_deliberative_nonestd.yaml",
+    "Deliberative: fixed λ, batch std": "configs/tiny_deliberative_fixed_batchstd.yaml",
+    "Deliberative: fixed λ, no std": "configs/tiny_deliberative_fixed_nonestd.yaml",
     "BAPO": "configs/tiny_bapo.yaml",
     "BAPO: fixed +0.5 per IDK": "configs/tiny_bapo_fixed.yaml",
     "WebFilter": "configs/tiny_webfilter.yaml",
@@ -61,7 +66,9 @@ STARTS = {SFT_ROW: BASELINE, BOUNDARY_SFT_ROW: BOUNDARY_BASELINE}  # an SFT star
 PAPERS = {
     "Search-R1": (SFT_ROW, [BASELINE, "Search-R1: no retrieved-token mask"],
                   [("em", "EM"), ("em_2hop", "EM 2-hop"), ("searches_2hop", "searches / 2-hop q")], "em_2hop"),
-    "Deliberative Searcher": (SFT_ROW, [BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1"],
+    "Deliberative Searcher": (SFT_ROW, [BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1",
+                                        "Deliberative: Lagrangian, batch std", "Deliberative: Lagrangian, no std",
+                                        "Deliberative: fixed λ, batch std", "Deliberative: fixed λ, no std"],
                               [("ds_reliability", "reliability"), ("ds_false_certain", "false-certain"),
                                ("em", "EM")], "ds_reliability"),
     "BAPO": (BOUNDARY_SFT_ROW, [BOUNDARY_BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"],
@@ -87,17 +94,28 @@ def mean(rows: dict, row: str, key: str) -> float:
     return statistics.mean(vs) if vs else float("nan")
 
 
+def deliberative_line(rows: dict, baseline: str, row: str) -> tuple[str, str, bool]:
+    """The Deliberative Searcher's line for one Lagrangian row: reliability up, false-certain down,
+    EM within 0.03 of the baseline."""
+    m = lambda r, key: mean(rows, r, key)  # noqa: E731
+    label = "Deliberative Searcher" + (f" ({row.split(', ', 1)[1]})" if ", " in row else "")
+    claim = (f"reliability {m(baseline, 'ds_reliability'):.3f} → {m(row, 'ds_reliability'):.3f}, false-certain "
+             f"{m(baseline, 'ds_false_certain'):.3f} → {m(row, 'ds_false_certain'):.3f}, EM {m(baseline, 'em'):.3f} "
+             f"→ {m(row, 'em'):.3f} (drop ≤ 0.03)")  # fmt: skip
+    met = (m(row, "ds_reliability") > m(baseline, "ds_reliability")
+           and m(row, "ds_false_certain") < m(baseline, "ds_false_certain")
+           and m(row, "em") >= m(baseline, "em") - 0.03)
+    return label, claim, met
+
+
 def acceptance(rows: dict) -> list[tuple[str, str, bool]]:
     """Issue 7's acceptance lines, each (paper, claim with its numbers, met?), from the means."""
     m = lambda row, key: mean(rows, row, key)  # noqa: E731
     b, lag, bapo, fixed = BASELINE, "Deliberative: Lagrangian", "BAPO", "BAPO: fixed +0.5 per IDK"
     db, bb = PAPERS["Deliberative Searcher"][1][0], PAPERS["BAPO"][1][0]  # each paper's baseline: its first row
+    lagrangian_rows = [lag] + [row for row in (f"{lag}, batch std", f"{lag}, no std") if values(rows, row, "em")]
     out = [
-        ("Deliberative Searcher", f"reliability {m(db, 'ds_reliability'):.3f} → {m(lag, 'ds_reliability'):.3f}, "
-         f"false-certain {m(db, 'ds_false_certain'):.3f} → {m(lag, 'ds_false_certain'):.3f}, EM "
-         f"{m(db, 'em'):.3f} → {m(lag, 'em'):.3f} (drop ≤ 0.03)",
-         m(lag, "ds_reliability") > m(db, "ds_reliability") and m(lag, "ds_false_certain") < m(db, "ds_false_certain")
-         and m(lag, "em") >= m(db, "em") - 0.03),
+        *(deliberative_line(rows, db, row) for row in lagrangian_rows),  # item 20's adv_std rows where run
         ("BAPO", f"IDK on unanswerable {m(bapo, 'idk_unanswerable'):.3f} (≥ 0.5; baseline "
          f"{m(bb, 'idk_unanswerable'):.3f}), EM on answerable {m(bb, 'em_answerable'):.3f} → "
          f"{m(bapo, 'em_answerable'):.3f} (drop ≤ 0.05)",
@@ -278,8 +296,12 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         "| paper | measured | met |",
         "|---|---|---|",
     ]
-    lines += [f"| {p} | {claim} | {'yes' if ok else '**no**'} |" for p, claim, ok in acceptance(rows)]
+    # a partial report (--only) shows the papers whose rows ran, not lines of nan
+    lines += [f"| {p} | {claim} | {'yes' if ok else '**no**'} |"
+              for p, claim, ok in acceptance(rows) if "nan" not in claim]
     for paper, (start, names, metrics, _) in PAPERS.items():
+        if not any(values(rows, row, "em") for row in names[1:]):
+            continue
         lines += ["", f"## {paper}", "", "| row | " + " | ".join(label for _, label in metrics) + " |",
                   "|---|" + "---|" * len(metrics)]  # fmt: skip
         for row in [start, *names]:

@@ -58,20 +58,33 @@ import torch
 from tqdm import tqdm
 
 from answers import parsed
-from checkpoint import latest_checkpoint, load_trainer_state, log, new_run_dir, save_checkpoint, write_samples
-from config import Config, ConfigError, DataError, load_config
+from checkpoint import (
+    check_writable,
+    latest_checkpoint,
+    load_checkpoint_file,
+    load_trainer_state,
+    log,
+    new_run_dir,
+    save_checkpoint,
+    verify_checkpoint,
+    write_samples,
+)
+from config import Config, ConfigError, DataError, RunDirError, load_config
 from constraints import dual_update, parse_constraints, reward_params, switch_on
 from constraints import restore as restore_constraints
 from constraints import state as constraint_state
 from constraints import step as constraints_step
 from data import data_paths, ensure_policy, load_questions, make_search_fn
-from distributed import all_reduce, balanced_micro_batches, clip_grad_norm, make_optimizer
+from distributed import all_reduce, balanced_micro_batches, broadcast, clip_grad_norm, init, make_optimizer
 from engine import load_policy, load_tokenizer, make_engine
 from judge import make_judge
 from metrics import batch_metrics, paper_metrics
+from plan import print_plan
+from precision import describe as describe_precision
 from rewards import BapoState, bapo_resample_groups, score
 from rollout import rollout_batch
 from sft import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
+from tracking import check_report_to, close_trackers, open_trackers, summary_table, track
 
 # ---------------------------------------------------------------------------------------------
 # The GRPO math (DESIGN.md §4). Pure functions on tensors, tested in tests/test_grpo.py.
@@ -447,7 +460,8 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     if main_proc:
         # several processes: vLLM in a process of its own, or it joins the training group (engine.py)
         engine = make_engine(
-            cfg.rollout.engine, start_dir, cfg.rollout, seed=cfg.train.seed, separate_process=world > 1
+            cfg.rollout.engine, start_dir, cfg.rollout, cfg.model.dtype, seed=cfg.train.seed,
+            separate_process=world > 1,
         )  # before bm25s
         search_fn = make_search_fn(cfg, paths["corpus"], timings)
     torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
@@ -493,7 +507,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     if resume_from is not None:
         state = load_trainer_state(resume_from, run, optimizer, rank, world)
         if critic_opt is not None:
-            critic_opt.load_state_dict(torch.load(resume_from / f"critic_optimizer.rank{rank}.pt", weights_only=True))
+            critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{rank}.pt"))
         step0, order = state["step"], state["order"]
         rng.setstate(state["data_rng"])
         restore_constraints(constraints, state["constraints"])
@@ -509,9 +523,11 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         ev |= {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
         return ev | paper_metrics(val_records, measure_judge)
 
+    trackers = open_trackers(cfg, run, resumed=resume_from is not None) if main_proc else []
     if step0 == 0 and cfg.train.eval_every > 0 and main_proc:
         ev = run_eval()
         log(run, {"step": 0, "eval": ev})
+        track(trackers, {"step": 0, "eval": ev})
         print(f"step 0 eval: {json.dumps(ev)}", flush=True)
     bar = tqdm(range(step0, cfg.train.steps), desc=cfg.train.algo, initial=step0, total=cfg.train.steps,
                disable=not main_proc)  # fmt: skip
@@ -570,7 +586,9 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             )
             for r, a in zip(records, advantages):
                 r["advantage"] = a
+            warn_if_no_signal(advantages, records, step, main_proc)
             stats = grpo_step(model, ref, records, optimizer, cfg, tokenizer.pad_token_id, step, rank, world)
+            stats["adv_nonzero_frac"] = sum(a != 0 for a in advantages) / len(advantages)
         t_train = time.time() - t0
         t0 = time.time()
         if lora_on:  # base names, adapters merged into fresh tensors: the policy is never touched
@@ -606,6 +624,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
                 if bapo is not None:
                     bapo.update(ev["em"])  # the validation score whose plateau switches the stage
             log(run, row)
+            track(trackers, row)
             bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
         if (cfg.train.save_every > 0 and (step + 1) % cfg.train.save_every == 0) or step + 1 == cfg.train.steps:
             trainer_state = {
@@ -614,6 +633,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             }  # fmt: skip
             save_checkpoint(run, step + 1, model, tokenizer, optimizer, trainer_state, cfg.train.keep_checkpoints,
                             critic, rank, world, critic_opt)  # fmt: skip
+    close_trackers(trackers)
     return ev
 
 
@@ -654,6 +674,26 @@ def _next_batch(order: list[int], n: int, k: int, rng: random.Random) -> tuple[l
     return order[:k], order[k:]
 
 
+def warn_if_no_signal(advantages: list[float], records: list[dict], step: int, show: bool) -> None:
+    """Every advantage 0 means every group scored all its rollouts alike: the step trains on the
+    KL term alone. Said once a step, since a real model that cannot yet write the protocol's tags
+    scores 0 on every rollout and would otherwise train on nothing, silently."""
+    if show and not any(advantages):
+        rewards = sorted({round(r["reward"], 3) for r in records})
+        tqdm.write(f"warning: step {step + 1}: every advantage is 0 (each group's rollouts scored alike, rewards "
+                   f"{rewards[:5]}): no learning signal, only the KL term. If the policy cannot write the "
+                   f"protocol's tags yet, warm-start it first (README, Bring your own model)")  # fmt: skip
+
+
+def end_of_run_summary(run: Path, last_eval: dict, minutes: float) -> str:
+    """The validation table before -> after (tracking.summary_table) and where the rest is."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    before = next((r["eval"] for r in rows if r["step"] == 0 and "eval" in r), {})
+    steps = max((r["step"] for r in rows), default=0)
+    return (f"{summary_table(before, last_eval, steps, minutes)}\n"
+            f"every metric, step by step: {run / 'metrics.jsonl'}; curves: python plots.py {run}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="GRPO training of a search agent (see the module docstring for the step).",
@@ -671,14 +711,9 @@ def main(argv: list[str] | None = None) -> None:
         help="print the per-GPU memory plan for this config (hardware.*) and whether it fits; loads no model",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    from checkpoint import check_writable, verify_checkpoint
-    from config import RunDirError
-
     if args.plan:
-        from plan import print_plan
-
         try:
-            sys.exit(0 if print_plan(load_config(args.config, args.set)) else 1)
+            sys.exit(0 if print_plan(load_config(args.config, args.set, resolve_auto=False)) else 1)
         except (ConfigError, FileNotFoundError) as e:
             parser.error(str(e))
     try:
@@ -693,18 +728,20 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cfg = load_config(args.config, args.set)
             parse_constraints(cfg.train.constraints)
-            from distributed import broadcast, init
-
+            check_report_to(cfg)
             rank, world, _ = init()  # several processes: rank 0 names the run directory
             run, ckpt = Path(broadcast(str(new_run_dir(cfg)) if rank == 0 else "", world)), None
     except (ConfigError, FileNotFoundError, RunDirError) as e:  # RunDirError: run_dir read-only, bad checkpoint
         parser.error(str(e))
     print(f"run directory: {run}", flush=True)
+    print(describe_precision(cfg), flush=True)
+    t0 = time.time()
     try:
         ev = train(cfg, run, ckpt)
     except (DataError, FileNotFoundError, ConfigError, RunDirError) as e:  # RunDirError: disk full, say
         sys.exit(f"error: {e}")
-    print(f"final eval: {json.dumps(ev)}")
+    if ev:
+        print(end_of_run_summary(run, ev, (time.time() - t0) / 60))
 
 
 if __name__ == "__main__":

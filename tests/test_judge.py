@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -28,11 +29,16 @@ INFOS = [f"Doc {i}(Title: P{i}) P{i} was born in the city of C{i}." for i in ran
 THINKS = ["So P was born in C.", "I will search again.", "The passage says nothing.", "C it is."]
 
 
-def start(policy, port):
+def start(policy, port, log_path=None):
+    """A real vLLM OpenAI server on 127.0.0.1:port, its output kept in log_path (a temp file by
+    default): a start-up failure raises with the log's tail, so its cause is seen, not guessed."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(policy), "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "512", "--gpu-memory-utilization", "0.05", "--dtype", "float32",
            "--served-model-name", "judge"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log_path = log_path or tempfile.NamedTemporaryFile(prefix="vllm-judge-", suffix=".log", delete=False).name
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log_path
     deadline = time.time() + 600
     while time.time() < deadline:
         try:
@@ -40,9 +46,12 @@ def start(policy, port):
             return proc
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError("vLLM server exited during start-up") from None
+                tail = "".join(open(log_path, errors="replace").readlines()[-40:])
+                raise RuntimeError(f"vLLM server exited during start-up (exit {proc.returncode}); "
+                                   f"the end of {log_path}:\n{tail}") from None  # fmt: skip
             time.sleep(1)
-    raise RuntimeError("vLLM server did not start in 10 minutes")
+    stop(proc)
+    raise RuntimeError(f"vLLM server did not start in 10 minutes; see {log_path}")
 
 
 def stop(proc):
@@ -120,7 +129,7 @@ def test_http_judge_survives_a_server_restart_mid_batch(server):
         while judge.calls < 4:
             time.sleep(0.01)
         stop(server["proc"])
-        server["proc"] = start(server["policy"], server["port"])
+        server["proc"] = start(server["policy"], server["port"], server["proc"].log_path)
 
     t = threading.Thread(target=restart)
     t.start()

@@ -1,0 +1,93 @@
+"""Which number format this machine computes in fast: the `auto` of `model.dtype`, `sft.bf16`
+and `train.bf16`.
+
+bf16 is fast only where the hardware does it natively: CUDA GPUs of compute capability 8.0 and
+later (A100, H100), and CPUs with AMX or AVX512-BF16 (Intel Sapphire Rapids and later, AMD Zen 4
+and later). Elsewhere PyTorch emulates it: on an AMD EPYC with AVX2 only, a bf16 matmul ran at
+0.9 GFLOP/s against 146 GFLOP/s in fp32, and the tiny world's SFT took 28 s a step instead of
+about 1 s. So `auto` means bf16 where it is native and fp32 otherwise:
+
+    >>> cfg = load_config("configs/tiny.yaml")      # resolves auto (config.load_config)
+    >>> describe(cfg)                                  # the one line train.py / eval.py print
+    'precision: fp32 (CPU AMD EPYC: no AMX / AVX512-BF16); sft.bf16=false train.bf16=false model.dtype=float32'
+
+What `auto` resolves to, per key:
+  sft.bf16, train.bf16   bf16 autocast of forward/backward (master weights stay fp32) iff native
+  model.dtype            the weights of the rollout engine and the frozen reference: bfloat16 on a
+                         GPU with native bf16, float32 on a CPU (vLLM's CPU backend keeps its
+                         weights in this dtype; at the tiny world's 3M parameters the engine is
+                         bound by per-token overhead, not matmuls, so fp32 costs nothing there)
+An explicit true / false / dtype always wins. TRAINER_NATIVE_BF16=0 or 1 in the environment
+overrides the detection (the test suite sets 0, so it runs the same code on every CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+ENV_OVERRIDE = "TRAINER_NATIVE_BF16"
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 matmuls
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags (Linux); empty where /proc/cpuinfo is not there."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def native_bf16() -> tuple[bool, str]:
+    """(does this machine compute bf16 natively?, why, in a few words)."""
+    forced = os.environ.get(ENV_OVERRIDE, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1", f"{ENV_OVERRIDE}={forced}"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"GPU {name}: native bf16"
+        return False, f"GPU {name}: no native bf16"
+    found = sorted(set(CPU_BF16_FLAGS) & cpu_flags())
+    if found:
+        return True, f"CPU {cpu_name()}: {' / '.join(found)}"
+    return False, f"CPU {cpu_name()}: no AMX / AVX512-BF16"
+
+
+def resolve(cfg, native: bool | None = None, gpu: bool | None = None) -> None:
+    """Replace every `auto` of cfg (a config.Config) by this machine's choice, in place.
+    native / gpu force the answers: the memory plan resolves for the GPU box it plans
+    (native=True, gpu=True), not for the machine it runs on."""
+    native = native_bf16()[0] if native is None else native
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    if cfg.sft.bf16 == "auto":
+        cfg.sft.bf16 = native
+    if cfg.train.bf16 == "auto":
+        cfg.train.bf16 = native
+    if cfg.model.dtype == "auto":
+        cfg.model.dtype = "bfloat16" if native and gpu else "float32"
+
+
+def describe(cfg) -> str:
+    """One line: what this machine does natively and what the run computes in."""
+    native, why = native_bf16()
+    flag = lambda b: "true" if b else "false"  # noqa: E731
+    return (f"precision: {'bf16' if native else 'fp32'} ({why}); sft.bf16={flag(cfg.sft.bf16)} "
+            f"train.bf16={flag(cfg.train.bf16)} model.dtype={cfg.model.dtype}")  # fmt: skip

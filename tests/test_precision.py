@@ -1,0 +1,73 @@
+"""`auto` precision: bf16 where this machine does it natively, fp32 elsewhere; an explicit value wins.
+
+conftest.py sets TRAINER_NATIVE_BF16=0 for the suite; the detection tests here remove it."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from config import ConfigError, load_config
+from plan import memory_plan
+from precision import CPU_BF16_FLAGS, ENV_OVERRIDE, describe, native_bf16
+
+
+def _cpuinfo_flags() -> set[str]:
+    out = subprocess.run(["grep", "-m1", "^flags", "/proc/cpuinfo"], capture_output=True, text=True).stdout
+    return set(out.split(":", 1)[1].split()) if ":" in out else set()
+
+
+def test_detection_reads_this_cpu(monkeypatch):
+    """On this machine (no GPU in CI) auto is bf16 exactly when /proc/cpuinfo lists AMX or
+    AVX512-BF16; on the AMD EPYC (AVX2) machines of this project that is fp32."""
+    monkeypatch.delenv(ENV_OVERRIDE)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU decides by compute capability")
+    expected = bool(_cpuinfo_flags() & set(CPU_BF16_FLAGS))
+    native, why = native_bf16()
+    assert native == expected and why.startswith("CPU ")
+    cfg = load_config(ROOT / "configs/tiny.yaml")
+    assert (cfg.sft.bf16, cfg.train.bf16, cfg.model.dtype) == (expected, expected, "float32")
+    assert describe(cfg).startswith(f"precision: {'bf16' if expected else 'fp32'} (CPU ")
+
+
+def test_auto_follows_the_machine_and_an_explicit_value_wins(monkeypatch):
+    for forced, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv(ENV_OVERRIDE, forced)
+        cfg = load_config(ROOT / "configs/tiny.yaml")
+        assert cfg.sft.bf16 is expected and cfg.train.bf16 is expected
+        assert cfg.model.dtype == "float32"  # on a CPU the engine's weights stay fp32 (precision.py)
+        explicit = load_config(ROOT / "configs/tiny.yaml",
+                               [f"sft.bf16={str(not expected).lower()}", f"train.bf16={str(not expected).lower()}",
+                                "model.dtype=bfloat16"])  # fmt: skip
+        assert explicit.sft.bf16 is (not expected) and explicit.train.bf16 is (not expected)
+        assert explicit.model.dtype == "bfloat16"
+
+
+def test_bad_precision_values_name_the_key():
+    for override, key in (("sft.bf16=maybe", "sft.bf16"), ("train.bf16=1", "train.bf16"),
+                          ("model.dtype=fp8", "model.dtype")):  # fmt: skip
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(ROOT / "configs/tiny.yaml", [override])
+
+
+def test_the_memory_plan_resolves_auto_for_its_gpus_not_for_this_machine():
+    """--plan on a CPU laptop for an 8-GPU box: auto means bf16 weights, as the GPUs will run."""
+    cfg = load_config(ROOT / "configs/search_r1_grpo_qwen2.5-3b-instruct.yaml", ["model.dtype=auto"],
+                      resolve_auto=False)  # fmt: skip
+    fp32 = load_config(ROOT / "configs/search_r1_grpo_qwen2.5-3b-instruct.yaml", ["model.dtype=float32"],
+                       resolve_auto=False)  # fmt: skip
+    auto_w, fp32_w = memory_plan(cfg)["vllm"]["weights"], memory_plan(fp32)["vllm"]["weights"]
+    assert auto_w == pytest.approx(fp32_w / 2)
+
+
+def test_train_prints_its_precision_before_loading_anything(tmp_path):
+    """The one line at start: --plan loads no model, a config error stops before; here the line of a
+    real start is read from a run that fails right after it (a model.path with no model)."""
+    out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml", "--set",
+                          f"model.path={tmp_path}", "--set", f"train.run_dir={tmp_path / 'runs'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "precision: fp32 (TRAINER_NATIVE_BF16=0); sft.bf16=false train.bf16=false model.dtype=float32" in out.stdout
+    assert out.returncode != 0 and "Traceback" not in out.stderr

@@ -1,0 +1,116 @@
+"""Experiment tracking: the scalars of metrics.jsonl, step by step, in TensorBoard and / or
+Weights & Biases (`train.report_to`), and the short table a run prints when it ends.
+
+    train:
+      report_to: [tensorboard]          # RUN_DIR/tensorboard/: `tensorboard --logdir runs/`
+      report_to: [tensorboard, wandb]   # W&B as well; WANDB_MODE=offline works without a network
+
+Each metrics row is flattened the way TensorBoard groups tags: {"time": {"generate": 1.2}} is
+`time/generate`, the validation metrics are `eval/em`, `eval/em_2hop`, ...; strings and lists
+(BAPO's stage name) are left out. So the same numbers as metrics.jsonl, under the same names:
+
+    >>> flat_scalars({"step": 3, "reward": 0.5, "time": {"sync": 0.1}, "bapo_stage": "plateau"})
+    {'reward': 0.5, 'time/sync': 0.1}
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from config import Config, ConfigError, config_to_dict
+
+try:
+    from torch.utils.tensorboard import SummaryWriter
+except ImportError:  # the tensorboard package is not installed: report_to: [tensorboard] says so
+    SummaryWriter = None
+try:
+    import wandb
+except ImportError:
+    wandb = None
+
+def flat_scalars(row: dict, prefix: str = "") -> dict[str, float]:
+    """Every finite number of a metrics row (nested dicts joined with '/'), but the step itself."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= flat_scalars(value, f"{name}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and name != "step":
+            if math.isfinite(value):
+                out[name] = float(value)
+    return out
+
+
+def check_report_to(cfg: Config) -> None:
+    """A tracker whose package is missing fails before anything slow starts (names are checked by
+    config.load_config)."""
+    for name in cfg.train.report_to:
+        if name == "tensorboard" and SummaryWriter is None:
+            raise ConfigError("train.report_to: tensorboard needs the tensorboard package (pip install tensorboard)")
+        if name == "wandb" and wandb is None:
+            raise ConfigError("train.report_to: wandb needs the wandb package (pip install wandb)")
+
+
+def open_trackers(cfg: Config, run: Path, resumed: bool) -> list:
+    """The trackers of `train.report_to` for this run directory (TensorBoard writes into
+    RUN_DIR/tensorboard; W&B names the run after the directory and resumes it on --resume)."""
+    check_report_to(cfg)
+    trackers = []
+    if "tensorboard" in cfg.train.report_to:
+        trackers.append(SummaryWriter(log_dir=str(run / "tensorboard")))
+    if "wandb" in cfg.train.report_to:
+        trackers.append(wandb.init(project=cfg.train.wandb_project, name=run.name, id=run.name, dir=str(run),
+                                   config=config_to_dict(cfg), resume="allow" if resumed else None))  # fmt: skip
+    return trackers
+
+
+def track(trackers: list, row: dict) -> None:
+    """Send one metrics row (with its "step") to every tracker."""
+    scalars, step = flat_scalars(row), int(row["step"])
+    for t in trackers:
+        if SummaryWriter is not None and isinstance(t, SummaryWriter):
+            for name, value in scalars.items():
+                t.add_scalar(name, value, step)
+            t.flush()
+        else:  # a wandb Run
+            t.log(scalars, step=step)
+
+
+def close_trackers(trackers: list) -> None:
+    for t in trackers:
+        if SummaryWriter is not None and isinstance(t, SummaryWriter):
+            t.close()
+        else:
+            t.finish()
+
+
+SUMMARY_KEYS = (  # (metric, label): what the end-of-run table shows, where the evaluation has it
+    ("em", "EM, all"),
+    ("em_1hop", "EM, 1-hop"),
+    ("em_2hop", "EM, 2-hop"),
+    ("em_answerable", "EM, answerable"),
+    ("idk_unanswerable", "IDK, unanswerable"),
+    ("searches_per_question", "searches / question"),
+    ("searches_2hop", "searches / 2-hop q"),
+    ("ds_reliability", "reliability"),
+    ("info_think", "info-think"),
+)
+
+
+def summary_table(before: dict, after: dict, steps: int, minutes: float) -> str:
+    """The short human table at the end of a run: validation before -> after, per question type.
+
+    >>> print(summary_table({"em": 0.1, "em_2hop": 0.0}, {"em": 0.5, "em_2hop": 0.4}, 20, 3.2))
+    validation after 20 steps (3.2 min)   before   after
+      EM, all                              0.100   0.500  (+0.400)
+      EM, 2-hop                            0.000   0.400  (+0.400)
+    """
+    lines = [f"{f'validation after {steps} steps ({minutes:.1f} min)':<37} {'before':>6}   {'after':>5}"]
+    for key, label in SUMMARY_KEYS:
+        if key in after:
+            b = before.get(key)
+            first = f"{b:6.3f}" if b is not None else f"{'–':>6}"
+            delta = f"  ({after[key] - b:+.3f})" if b is not None else ""
+            lines.append(f"  {label:<35} {first}   {after[key]:.3f}{delta}")
+    return "\n".join(lines)
