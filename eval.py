@@ -38,7 +38,7 @@ from answers import parsed
 from config import Config, ConfigError, DataError, load_config
 from precision import describe as describe_precision
 from rewards import score, source_restricting
-from rollout import rollout_batch
+from rollout import check_chat_template, rollout_batch
 
 MODES = ("direct", "cot", "rag", "agentic", "reliable")
 SEARCH_OFF = "Search is not available in this mode. Answer from what you know."
@@ -182,6 +182,7 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
     for _, model_dir, _ in rows_spec:
         if _shapes(model_dir) != _shapes(rows_spec[0][1]):  # one engine serves every row
             raise ValueError(f"{model_dir} is not the architecture of {rows_spec[0][1]}: evaluate it separately")
+        check_chat_template(load_tokenizer(model_dir), cfg.rollout, model_dir)  # before any engine starts
     for label, model_dir, modes in rows_spec:
         if engine is None:
             engine = make_engine(cfg.rollout.engine, model_dir, cfg.rollout, cfg.model.dtype)  # before bm25s
@@ -307,7 +308,10 @@ def main(argv: list[str] | None = None) -> None:
 
         judge = make_judge(args.judge_url, args.judge_model)
     spec = [(label, path, args.modes) for label, path in models]
-    rows = run_eval(cfg, spec, datasets, args.columns, out, args.zeta, judge, args.reference)
+    try:
+        rows = run_eval(cfg, spec, datasets, args.columns, out, args.zeta, judge, args.reference)
+    except (ConfigError, DataError, FileNotFoundError) as e:  # e.g. chat_template on a base model's tokenizer
+        sys.exit(f"error: {e}")
     print((out / "results.md").read_text())
     print(f"wrote {out}/results.md, results.csv, results.json, rollouts/, viewer.html")
     return rows

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import protocols
 from answers import last_block, parse_response, split_segments
-from config import RolloutConfig
+from config import ConfigError, RolloutConfig
 from protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text
 
 TAGS = [
@@ -64,6 +65,15 @@ def render_prompt(question: str, template: str = "", cfg: RolloutConfig | None =
         return template.format(question=question.strip())
     cfg = cfg or RolloutConfig()
     return instructions(protocols.get(cfg.protocol), cfg) + f" Question: {question.strip()}\n"
+
+
+def check_chat_template(tokenizer, cfg: RolloutConfig, model_dir: str | Path) -> None:
+    """rollout.chat_template needs a tokenizer that has one: refused in one line before any engine
+    starts (a base model's tokenizer has none; transformers would fail at the first prompt)."""
+    if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"rollout.chat_template is on, but the tokenizer in {model_dir} has no chat template "
+                          "(tokenizer_config.json / chat_template.jinja): set rollout.chat_template: false for a "
+                          "base model, or point model.path at an instruct model")  # fmt: skip
 
 
 def prompt_ids(tokenizer, question: str, cfg: RolloutConfig, proto: Protocol) -> list[int]:

@@ -82,7 +82,7 @@ from metrics import batch_metrics, paper_metrics
 from plan import print_plan
 from precision import describe as describe_precision
 from rewards import BapoState, bapo_resample_groups, score
-from rollout import rollout_batch
+from rollout import check_chat_template, rollout_batch
 from sft import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
 from tracking import check_report_to, close_trackers, open_trackers, summary_table, track
 
@@ -455,6 +455,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     paths = data_paths(cfg)
     train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])
     tokenizer = load_tokenizer(start_dir)
+    check_chat_template(tokenizer, cfg.rollout, start_dir)  # before any engine starts
     engine = search_fn = None
     timings: dict[str, float] = {}
     if main_proc:

@@ -97,6 +97,44 @@ def test_train_cli_names_the_bad_line_before_any_model(tmp_path):
     assert one_error_line(out.stderr).startswith(f"error: {bad}:2: not valid JSON")
 
 
+def _byo_run(tmp_path, model: Path, *extra: str) -> subprocess.CompletedProcess:
+    corpus, qs = tmp_path / "corpus.jsonl", tmp_path / "q.jsonl"
+    corpus.write_text(json.dumps({"id": "0", "contents": "Tavi Morek\nborn in Sarn"}) + "\n")
+    qs.write_text(json.dumps(GOOD) + "\n")
+    sets = [f"model.path={model}", f"data.corpus={corpus}", f"data.train={qs}", f"data.val={qs}",
+            f"train.run_dir={tmp_path / 'runs'}", "rollout.engine=hf", *extra]  # fmt: skip
+    return subprocess.run([sys.executable, "train.py", *[a for s in sets for a in ("--set", s)]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_a_model_path_that_is_not_a_model_is_one_line(tmp_path):
+    (tmp_path / "weights").mkdir()
+    out = _byo_run(tmp_path, tmp_path / "weights")
+    assert out.returncode == 1
+    config = tmp_path / "weights" / "config.json"
+    assert one_error_line(out.stderr) == f"error: model.path has no model: {config} not found"
+
+
+def test_chat_template_on_a_tokenizer_without_one_is_one_line(tmp_path):
+    """A real (tiny, random) Llama-architecture model whose tokenizer has no chat template, with
+    rollout.chat_template on: refused before any engine starts, naming the key and the directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    model_dir = tmp_path / "base-model"
+    vocab = {t: i for i, t in enumerate(["<unk>", "</s>", *"abcdefghijklmnopqrstuvwxyz?"])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+    tok.save_pretrained(model_dir)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(model_dir)  # fmt: skip
+    out = _byo_run(tmp_path, model_dir, "rollout.chat_template=true")
+    assert out.returncode == 1
+    line = one_error_line(out.stderr)
+    assert "rollout.chat_template is on" in line and str(model_dir) in line and "no chat template" in line
+
+
 # ---------------------------------------------------------------------------------------------
 # A run directory that cannot be written. Tests run as root, where chmod 0o555 stops no write;
 # a path under a regular file fails for root too (NotADirectoryError).

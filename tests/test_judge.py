@@ -61,8 +61,15 @@ def stop(proc):
 
 @pytest.fixture(scope="module")
 def server(micro):
-    port = free_port()
-    state = {"proc": start(micro[2], port), "port": port, "policy": micro[2], "mixed": mixed_prompts(micro[2])}
+    for attempt in range(3):  # free_port() then bind is a race: another process may take the port between
+        port = free_port()
+        try:
+            proc = start(micro[2], port)
+            break
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
+    state = {"proc": proc, "port": port, "policy": micro[2], "mixed": mixed_prompts(micro[2])}
     yield state
     stop(state["proc"])
 
