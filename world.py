@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import Config, WorldConfig
+from precision import describe as describe_precision
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
@@ -382,6 +383,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args()
     cfg = load_config(args.config, args.set)
+    print(describe_precision(cfg), flush=True)
     print(ensure_tiny_policy(cfg))
 
 
