@@ -44,13 +44,19 @@ def ensure_policy(cfg: Config, run_dir: Path) -> Path:
 
 
 def data_paths(cfg: Config) -> dict[str, Path]:
-    """corpus/train/val/test files: the `data` section, or the tiny world's cache when empty."""
-    from world import world_dir
+    """corpus/train/val/test files: the `data` section, or, where it is empty, the tiny world's.
+    With the tiny policy they sit in its cache (world.world_dir); with a `model.path` of yours,
+    in a cache keyed on the world alone (world.world_data_dir, written here on first use), so any
+    model trains and evaluates on the tiny world with no `data.*` set."""
+    from world import ensure_world_data, world_data_dir, world_dir
 
+    tiny = world_dir(cfg)
+    if cfg.model.path and not all(getattr(cfg.data, kind) for kind in ("corpus", "train", "val", "test")):
+        tiny = ensure_world_data(cfg, world_data_dir(cfg))
     paths = {}
     for kind in ("corpus", "train", "val", "test"):
         given = getattr(cfg.data, kind)
-        paths[kind] = Path(given) if given else world_dir(cfg) / f"{kind}.jsonl"
+        paths[kind] = Path(given) if given else tiny / f"{kind}.jsonl"
     for kind in ("corpus", "train", "val"):
         if not paths[kind].is_file():
             raise FileNotFoundError(f"{kind} file not found: {paths[kind]}")

@@ -344,7 +344,21 @@ FORMAT_VERSION = 4  # bump when the generator, teacher, prompt or tokenizer chan
 
 
 def world_dir(cfg: Config) -> Path:
+    """The tiny world's cache: its data, tokenizer and SFT policy, keyed on all of world_key."""
     return Path(cfg.world.cache_dir) / f"tiny-{world_key(cfg)}"
+
+
+def data_key(cfg: Config) -> str:
+    """Cache key of the world's corpus and questions alone: generate_world reads cfg.world only."""
+    world = {k: v for k, v in vars(cfg.world).items() if k not in LATER_OPTIONS or v} | {"cache_dir": None}
+    parts = {"world": world, "format": FORMAT_VERSION}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def world_data_dir(cfg: Config) -> Path:
+    """corpus.jsonl and {train,val,test}.jsonl of the world, whatever the model: what a run with
+    its own `model.path` trains and evaluates on when `data.*` is empty (data.data_paths)."""
+    return Path(cfg.world.cache_dir) / f"world-{data_key(cfg)}"
 
 
 def write_jsonl(path: Path, records) -> None:
@@ -362,15 +376,16 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def ensure_world_data(cfg: Config) -> Path:
-    """Write corpus.jsonl and {train,val,test}.jsonl into the world's cache dir (once)."""
-    out = world_dir(cfg)
+def ensure_world_data(cfg: Config, out: Path | None = None) -> Path:
+    """Write corpus.jsonl and {train,val,test}.jsonl into `out` (default: the tiny world's cache
+    dir) once. The files depend on cfg.world only, so every `out` of one world holds the same."""
+    out = out or world_dir(cfg)
     if (out / "test.jsonl").exists():
         return out
     world = generate_world(cfg.world)
     write_jsonl(out / "corpus.jsonl", world.corpus)
-    for split, records in world.questions.items():
-        write_jsonl(out / f"{split}.jsonl", records)
+    for split in ("train", "val", "test"):  # test.jsonl last: it marks the data as complete
+        write_jsonl(out / f"{split}.jsonl", world.questions[split])
     return out
 
 

@@ -144,3 +144,25 @@ def test_an_sft_start_that_has_not_learnt_to_copy_is_flagged(tmp_path):
     for out in (built, cached):  # the cached start is flagged again
         assert f"copies the city off the passage on {acc:.0%} of held-out" in out.stderr
     assert "sft step" in built.stderr + built.stdout and "sft step" not in cached.stderr + cached.stdout
+
+
+def test_a_model_of_yours_trains_on_the_tiny_world_with_no_data_paths(micro, tmp_path):
+    """With model.path set (another model, another prompt, another SFT) and data.* empty, the
+    corpus and questions come from a cache keyed on the world alone: the same files as the tiny
+    policy's world, written on first use."""
+    from config import load_config
+    from data import data_paths
+    from world import data_key, world_dir
+
+    _, cfg, policy, world_path = micro
+    overrides = [f"world.{k}={v}" for k, v in vars(cfg.world).items() if k != "cache_dir"] + [
+        f"world.cache_dir={tmp_path}", f"model.path={policy}", "model.hidden_size=64", "rollout.chat_template=true",
+        "rollout.prompt_template=", "sft.steps=7", "retriever.topk=5"]  # fmt: skip
+    mine = load_config(None, overrides)
+    assert world_dir(mine) != world_dir(cfg) and data_key(mine) == data_key(cfg)
+    paths = data_paths(mine)
+    for kind in ("corpus", "train", "val", "test"):
+        assert paths[kind].parent.name == f"world-{data_key(cfg)}"
+        assert paths[kind].read_bytes() == (world_path / f"{kind}.jsonl").read_bytes()
+    with pytest.raises(FileNotFoundError, match="corpus file not found"):  # the tiny policy's own cache: not built
+        data_paths(load_config(None, [o for o in overrides if not o.startswith("model.path")]))
