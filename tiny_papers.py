@@ -17,6 +17,7 @@ GRPO baseline (EM reward) from the same start:
   Search-R1              retrieved-token mask vs none (§3.1, Table 4)       tiny_search_r1_nomask.yaml
   Deliberative Searcher  Lagrangian reliability constraint (§2.1, Alg. 1)  tiny_deliberative.yaml
                          and its fixed-lambda ablation (§3.2)               tiny_deliberative_fixed.yaml
+                         advantages by batch std / no std (with --only)     tiny_deliberative_{batch,none}std.yaml
   BAPO                   boundary-aware reward + modulator (eq. 3-6, §4.2) tiny_bapo.yaml
                          and the fixed +0.5-per-IDK ablation                tiny_bapo_fixed.yaml
   WebFilter              source-restricting reward (eq. 2-8)               tiny_webfilter.yaml
@@ -50,16 +51,16 @@ RUNS = {  # row -> config
     "Search-R1: no retrieved-token mask": "configs/tiny_search_r1_nomask.yaml",
     "Deliberative: Lagrangian": "configs/tiny_deliberative.yaml",
     "Deliberative: fixed λ = 0.1": "configs/tiny_deliberative_fixed.yaml",
-    # advantages normalised by the batch's std / by none (issue 23 item 20; results/deliberative_adv_std.md)
+    # advantages normalised by the batch's std / by none: research rows, run only when named with
+    # --only (not in DEFAULT_ROWS); measured in results/deliberative_adv_std.md
     "Deliberative: Lagrangian, batch std": "configs/tiny_deliberative_batchstd.yaml",
     "Deliberative: Lagrangian, no std": "configs/tiny_deliberative_nonestd.yaml",
-    "Deliberative: fixed λ, batch std": "configs/tiny_deliberative_fixed_batchstd.yaml",
-    "Deliberative: fixed λ, no std": "configs/tiny_deliberative_fixed_nonestd.yaml",
     "BAPO": "configs/tiny_bapo.yaml",
     "BAPO: fixed +0.5 per IDK": "configs/tiny_bapo_fixed.yaml",
     "WebFilter": "configs/tiny_webfilter.yaml",
     "VERITAS": "configs/tiny_veritas.yaml",
 }
+DEFAULT_ROWS = [row for row in RUNS if not row.endswith(("batch std", "no std"))]  # what a plain call trains
 SFT_ROW, BOUNDARY_SFT_ROW = "SFT start", "SFT start, boundary world"
 STARTS = {SFT_ROW: BASELINE, BOUNDARY_SFT_ROW: BOUNDARY_BASELINE}  # an SFT start -> the baseline row that builds it
 # paper -> (its SFT start, rows, [(metric, label)], the validation series of its curve)
@@ -67,8 +68,7 @@ PAPERS = {
     "Search-R1": (SFT_ROW, [BASELINE, "Search-R1: no retrieved-token mask"],
                   [("em", "EM"), ("em_2hop", "EM 2-hop"), ("searches_2hop", "searches / 2-hop q")], "em_2hop"),
     "Deliberative Searcher": (SFT_ROW, [BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1",
-                                        "Deliberative: Lagrangian, batch std", "Deliberative: Lagrangian, no std",
-                                        "Deliberative: fixed λ, batch std", "Deliberative: fixed λ, no std"],
+                                        "Deliberative: Lagrangian, batch std", "Deliberative: Lagrangian, no std"],
                               [("ds_reliability", "reliability"), ("ds_false_certain", "false-certain"),
                                ("em", "EM")], "ds_reliability"),
     "BAPO": (BOUNDARY_SFT_ROW, [BOUNDARY_BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"],
@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", default="papers", choices=["papers"], help="(the papers' tiny world)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed of each run")
     parser.add_argument("--parallel", type=int, default=2, help="training runs at once (one torch thread each)")
-    parser.add_argument("--only", nargs="+", choices=list(RUNS), metavar="ROW", help="train only these rows")
+    parser.add_argument("--only", nargs="+", choices=list(RUNS), metavar="ROW",
+                        help="train only these rows (default: all but the research rows '..., batch std' and "
+                             "'..., no std')")  # fmt: skip
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="overrides for every run, e.g. train.steps=2")  # fmt: skip
     parser.add_argument("--out", default="results/tiny_papers.md", help="the markdown report")
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             load_config(config, args.set)
     except ConfigError as e:
         parser.error(str(e))
-    rows_run = args.only or list(RUNS)
+    rows_run = args.only or DEFAULT_ROWS
     starts = [start for start in STARTS if any(START_OF[row] == start for row in rows_run)]
     start_dir = {start: world_dir(load_config(RUNS[STARTS[start]], args.set)) for start in starts}
     for row in rows_run:  # a paper's row must share its baseline's start, or the comparison means nothing
