@@ -71,6 +71,13 @@ def native_bf16() -> tuple[bool, str]:
     return False, f"CPU {cpu_name()}: no AMX / AVX512-BF16"
 
 
+def machine() -> str:
+    """The machine a timing was measured on, for reports: "AMD EPYC (fp32: no native bf16)"."""
+    native, why = native_bf16()
+    name = why.split(":")[0].removeprefix("CPU ").removeprefix("GPU ") if why.startswith(("CPU", "GPU")) else cpu_name()
+    return f"{name} ({'native bf16' if native else 'fp32: no native bf16'})"
+
+
 def resolve(cfg, native: bool | None = None, gpu: bool | None = None) -> None:
     """Replace every `auto` of cfg (a config.Config) by this machine's choice, in place.
     native / gpu force the answers: the memory plan resolves for the GPU box it plans

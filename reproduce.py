@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from precision import machine
+
 ROOT = Path(__file__).resolve().parent
 VARIANTS = {  # name -> extra overrides of the training config
     "GRPO with search": [],
@@ -236,7 +238,7 @@ def write_report(out: Path, args, rows, done, timings, curves, run_dir: Path, te
     lines = [
         "# Tiny-world reproduction (Search-R1 in miniature)",
         "",
-        f"Produced by `{cmd}` on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, in "
+        f"Produced by `{cmd}` on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores of {machine()}, in "
         f"**{timings['total'] / 60:.1f} min** ("
         + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items() if k != "total")
         + ").",  # fmt: skip

@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from precision import machine
 from reproduce import ROOT, finish_report, last_checkpoint, mean_spread, train_runs
 
 BASELINE = "GRPO baseline (EM)"
@@ -271,7 +272,7 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
     lines = [
         "# Every paper's effect on the tiny world",
         "",
-        f"Produced by `{cmd}` on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, in "
+        f"Produced by `{cmd}` on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores of {machine()}, in "
         f"**{timings['total'] / 60:.1f} min** ("
         + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items() if k != "total")
         + ").",
