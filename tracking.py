@@ -108,8 +108,8 @@ def summary_table(before: dict, after: dict, steps: int, minutes: float) -> str:
     """
     lines = [f"{f'validation after {steps} steps ({minutes:.1f} min)':<37} {'before':>6}   {'after':>5}"]
     for key, label in SUMMARY_KEYS:
-        if key in after:
-            b = before.get(key)
+        b = before.get(key)
+        if key in after and (key.startswith("em") or after[key] or b):  # 0 -> 0: a metric this run has not
             first = f"{b:6.3f}" if b is not None else f"{'–':>6}"
             delta = f"  ({after[key] - b:+.3f})" if b is not None else ""
             lines.append(f"  {label:<35} {first}   {after[key]:.3f}{delta}")
