@@ -82,9 +82,10 @@ class ModelConfig:
     num_heads: int = 4  # head_dim = hidden/heads = 64: vLLM CPU supports 64, not 16 (DESIGN §6)
     intermediate_size: int = 1024
     vocab_size: int = 2048  # byte-level BPE trained on the world: most names are 1-3 tokens
-    # weights of the rollout engine and the frozen reference. auto: bfloat16 on a GPU with native
-    # bf16, float32 otherwise (precision.py); the trained policy keeps fp32 master weights
-    dtype: str = "auto"
+    # weights of the rollout engine and the frozen reference; the trained policy keeps fp32 master
+    # weights. A loaded config starts at auto: bfloat16 on a GPU with native bf16, else float32
+    # (precision.py); a bare ModelConfig() is float32
+    dtype: str = "float32"
 
 
 @dataclass
@@ -99,7 +100,7 @@ class SFTConfig:
     weight_decay: float = 0.0
     train_on_observations: bool = True  # SFT targets include <information> text (see sft.py)
     probe_every: int = 100  # held-out copy-accuracy probe (sft.copy_probe); 0 = only at the end
-    bf16: bool | str = "auto"  # autocast; auto: where bf16 is native (precision.py), ~2x faster there
+    bf16: bool | str = False  # autocast; a loaded config starts at auto: where bf16 is native (precision.py)
     # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
     p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop
     p_no_search: float = 0.1  # answer without searching at all
@@ -243,7 +244,7 @@ class TrainConfig:
     rft_accept: float = 1.0
     # Memory and parallelism (one code path: CPU processes with gloo, GPUs with NCCL).
     fsdp: bool = False  # shard parameters, gradients and optimizer state across processes
-    bf16: bool | str = "auto"  # bf16 autocast of forward/backward (fp32 master); auto: where native
+    bf16: bool | str = False  # bf16 autocast of forward/backward (fp32 master); loaded: auto, as sft.bf16
     grad_checkpointing: bool = False
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
     # LoRA (lora.py): 0 = full fine-tuning; > 0 trains adapters only, vLLM gets the merged weights
@@ -531,6 +532,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, res
     `auto` precision keys become this machine's choice (precision.resolve) unless resolve_auto is
     False (the memory plan resolves them for the GPUs it plans)."""
     cfg = Config()
+    # the precision keys of a loaded config default to auto; a bare Config() stays fp32
+    cfg.model.dtype, cfg.sft.bf16, cfg.train.bf16 = "auto", "auto", "auto"
     if path is not None:
         _apply_file(cfg, Path(path), [])
     for item in overrides or []:

@@ -17,6 +17,7 @@ What `auto` resolves to, per key:
                          GPU with native bf16, float32 on a CPU (vLLM's CPU backend keeps its
                          weights in this dtype; at the tiny world's 3M parameters the engine is
                          bound by per-token overhead, not matmuls, so fp32 costs nothing there)
+A config loaded by config.load_config starts these three keys at auto; a bare Config() is fp32.
 An explicit true / false / dtype always wins. TRAINER_NATIVE_BF16=0 or 1 in the environment
 overrides the detection (the test suite sets 0, so it runs the same code on every CPU).
 """
