@@ -74,9 +74,8 @@ def native_bf16() -> tuple[bool, str]:
 
 def machine() -> str:
     """The machine a timing was measured on, for reports: "AMD EPYC (fp32: no native bf16)"."""
-    native, why = native_bf16()
-    name = why.split(":")[0].removeprefix("CPU ").removeprefix("GPU ") if why.startswith(("CPU", "GPU")) else cpu_name()
-    return f"{name} ({'native bf16' if native else 'fp32: no native bf16'})"
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu_name()
+    return f"{name} ({'native bf16' if native_bf16()[0] else 'fp32: no native bf16'})"
 
 
 def resolve(cfg, native: bool | None = None, gpu: bool | None = None) -> None:
