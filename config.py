@@ -121,6 +121,9 @@ class SFTConfig:
     # think restates the whole chain (world.Habits.cites_source): a deliberating teacher, whose
     # confidence is still random. Search-R1 protocol only.
     think_cites_source: bool = False
+    # With model.path (your own model): fine-tune it on this teacher first, its trajectories in
+    # the model's chat template and tokenizer (warm_start.py), so GRPO starts with a signal.
+    warm_start: bool = False
 
 
 @dataclass
@@ -368,6 +371,10 @@ def _check_choices(cfg: Config) -> None:
     if cfg.sft.think_cites_source and cfg.rollout.protocol != "search_r1":
         raise ConfigError("config key 'sft.think_cites_source' is for the Search-R1 teacher (world.teacher_segments); "
                           f"rollout.protocol is {cfg.rollout.protocol!r}")  # fmt: skip
+    if cfg.sft.warm_start and (not cfg.model.path or cfg.rollout.protocol != "search_r1"):
+        raise ConfigError("config key 'sft.warm_start' fine-tunes your model.path on the Search-R1 teacher: it needs "
+                          f"model.path and rollout.protocol search_r1; got {cfg.model.path!r}, "
+                          f"{cfg.rollout.protocol!r}")  # fmt: skip
     if not 0.0 <= cfg.sft.p_confidence_hint <= 1.0 or (cfg.sft.p_confidence_hint and cfg.sft.confidence != "random"):
         raise ConfigError(f"config key 'sft.p_confidence_hint' must be in [0, 1] and needs sft.confidence: random; "
                           f"got {cfg.sft.p_confidence_hint!r} with confidence {cfg.sft.confidence!r}")  # fmt: skip

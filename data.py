@@ -21,17 +21,28 @@ from config import Config, DataError
 
 
 def ensure_policy(cfg: Config, run_dir: Path) -> Path:
-    """The starting policy: `model.path` if given, else the tiny world's cached SFT policy.
+    """The starting policy: `model.path` if given (after its warm start with `sft.warm_start`),
+    else the tiny world's cached SFT policy.
 
-    The tiny world is built in a child process: its teacher uses bm25s (numba), which must not
+    Both warm starts are built in a child process: the teacher uses bm25s (numba), which must not
     be imported in a process that will start vLLM afterwards (DESIGN.md §6).
     """
+    from warm_start import warm_start_dir
+    from world import world_dir
+
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path has no model: {path / 'config.json'} not found")
-        return path
-    from world import world_dir
+        if not cfg.sft.warm_start:
+            return path
+        policy = warm_start_dir(cfg) / "policy"
+        if not (policy / "DONE").exists():
+            print(f"warm start: fine-tuning {path} on the tiny world's teacher into {policy.parent} (cached) ...",
+                  flush=True)  # fmt: skip
+            subprocess.run([sys.executable, str(Path(__file__).with_name("warm_start.py")), "--config",
+                            str(run_dir / "config.yaml")], check=True)  # fmt: skip
+        return policy
 
     policy = world_dir(cfg) / "policy"
     if not (policy / "DONE").exists():

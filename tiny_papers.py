@@ -247,7 +247,14 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [sys.executable, "eval.py", "--config", RUNS[STARTS[start]], *sets,
                *sum((["--model", m] for m in models), []), "--datasets", str(test_files[start]),
                "--columns", *columns, "--judge-url", "rule", "--out", str(out)]  # fmt: skip
-        subprocess.run(cmd, cwd=ROOT, check=True)
+        # a re-run keeps a finished evaluation of the same models, as it keeps finished runs
+        asked = json.dumps(cmd[2:])
+        if (out / "results.json").exists() and (out / "command.json").exists() and (
+                (out / "command.json").read_text() == asked):  # fmt: skip
+            print(f"  {start}: evaluated earlier ({out})", flush=True)
+        else:
+            subprocess.run(cmd, cwd=ROOT, check=True)
+            (out / "command.json").write_text(asked)
         rows |= {name: per["test"] for name, per in json.loads((out / "results.json").read_text()).items()}
     timings["evaluation"] = time.time() - t0
     print("4/4 curves and report ...", flush=True)

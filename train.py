@@ -265,6 +265,7 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
     rng = random.Random(tcfg.seed * 1000003 + step)  # mini-batch order: a function of the step (exact resume)
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     n_tokens_all = 0.0
+    engine_gap = None
     model.train()
     for _ in range(tcfg.epochs):
         order = list(range(len(seqs)))
@@ -276,8 +277,12 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
             for key in totals:
                 totals[key] += stats[key] / updates
             n_tokens_all += stats["policy_tokens"] / updates
+            if engine_gap is None:  # before the first optimizer step the trainer holds the engine's weights
+                engine_gap = stats["engine_logp_gap"]
     model.eval()
-    return totals | {"policy_tokens": n_tokens_all}
+    # engine_logp_gap: how far the engine's sampling logprobs are from the trainer's on the same
+    # weights (at temperature 1, top_p 1): ~1e-6 in fp32, ~1e-2 in bf16; large means a stale sync
+    return totals | {"policy_tokens": n_tokens_all, "engine_logp_gap": engine_gap or 0.0}
 
 
 def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_id, kl_coef, rank, world) -> dict:
@@ -294,6 +299,7 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
     runs = balanced_micro_batches(share, [len(seqs[i]["ids"]) for i in share], tcfg.micro_batch_tokens, world, mini[:1])
     model.zero_grad(set_to_none=True)  # not optimizer's: see make_optimizer
     sums = torch.zeros(4)  # loss, kl, clipped, entropy: sums over policy tokens
+    gap = torch.zeros(())  # max |log pi_trainer - log pi_engine| over sampled tokens
     for idx, real in runs:
         width = max(len(seqs[i]["ids"]) for i in idx)
         ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
@@ -309,6 +315,8 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         # Retrieved tokens were never sampled, so there is no pi_old for them; in the no-mask
         # ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
         old_logp = torch.where(sampled > 0, pad_rows([old[i] for i in idx], width - 1).to(device), logp.detach())
+        engine_logp = pad_rows([seqs[i]["engine_logp"] for i in idx], width - 1).to(device)
+        gap = torch.maximum(gap, ((logp.detach() - engine_logp).abs() * sampled).max().cpu())
         ref_logp = pad_rows([ref[i] for i in idx], width - 1).to(device) if ref is not None else None
         adv = pad_rows([seqs[i]["adv"] for i in idx], width - 1).to(device)
         tok_loss, kl, clipped = grpo_token_loss(
@@ -322,12 +330,13 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         with torch.no_grad():
             for j, value in enumerate((tok_loss, kl, clipped, entropy)):
                 sums[j] += float((value * m).sum()) * real
-    sums = all_reduce(sums, world, "sum")
+    sums, gap = all_reduce(sums, world, "sum"), all_reduce(gap, world, "max")
     grad_norm = clip_grad_norm(model, tcfg.grad_clip)
     optimizer.step()
     denom = max(n_tokens, 1.0)
     return {"loss": float(sums[0]) / denom, "kl": float(sums[1]) / denom, "clip_frac": float(sums[2]) / denom,
-            "entropy": float(sums[3]) / denom, "grad_norm": grad_norm, "policy_tokens": n_tokens}  # fmt: skip
+            "entropy": float(sums[3]) / denom, "grad_norm": grad_norm, "policy_tokens": n_tokens,
+            "engine_logp_gap": float(gap)}  # fmt: skip
 
 
 def memory_savers(model, cfg: Config):

@@ -339,7 +339,7 @@ def world_key(cfg: Config) -> str:
 
 
 LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac",
-                 "unanswerable_novel_names", "p_confidence_hint", "think_cites_source")  # fmt: skip
+                 "unanswerable_novel_names", "p_confidence_hint", "think_cites_source", "warm_start")  # fmt: skip
 FORMAT_VERSION = 4  # bump when the generator, teacher, prompt or tokenizer changes what gets built (4: Qwen2 split)
 
 

@@ -321,7 +321,7 @@ MICRO_PAPERS = [
     "model.hidden_size=128", "model.num_heads=2", "model.num_layers=2", "model.intermediate_size=256",
     "model.vocab_size=700", "sft.steps=250", "sft.batch_tokens=2048", "sft.warmup_steps=20",
     "rollout.max_model_len=512", "rollout.max_tokens_per_turn=48", "train.questions_per_step=4",
-    "train.group_size=4", "train.steps=2", "train.eval_every=1", "train.save_every=1", "eval.max_questions=0",
+    "train.group_size=4", "train.steps=1", "train.eval_every=1", "train.save_every=1", "eval.max_questions=0",
 ]  # fmt: skip
 
 
@@ -356,6 +356,8 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("finished earlier") == len(rows) and "  started tiny-" not in again.stdout
+    assert again.stdout.count("evaluated earlier") == 2  # both starts' evaluations are kept too
+    assert json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"] == data
 
 
 @pytest.mark.parametrize("protocol", ["bapo", "deliberative", "webfilter"])
