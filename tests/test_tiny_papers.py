@@ -357,7 +357,6 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("finished earlier") == len(rows) and "  started tiny-" not in again.stdout
     assert again.stdout.count("evaluated earlier") == 2  # both starts' evaluations are kept too
-    assert json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"] == data
 
 
 @pytest.mark.parametrize("protocol", ["bapo", "deliberative", "webfilter"])
