@@ -177,6 +177,14 @@ class RolloutConfig:
     # answer annotated with that confidence" of Deliberative Searcher §1, read by the rewards. The
     # tiny world's teachers (sft.confidence) then write the confidence there instead of before.
     confidence_after_answer: bool = False
+    # vLLM: each trajectory's next turn starts as soon as its own tool call returns (continuous
+    # batching across turns); false: turn by turn, every trajectory waiting for the slowest of its turn
+    continuous: bool = True
+    # Several training processes (engine.py): "memory", each process's own vLLM engine in process
+    # (vLLM's external_launcher), full weights loaded from memory; "file", each engine in a process
+    # of its own, weights through a safetensors file in /dev/shm (the fallback)
+    weight_sync: str = "memory"
+    tensor_parallel_size: int = 1  # ranks that share one engine ("memory" only): a model too big for one GPU
 
 
 @dataclass
@@ -353,6 +361,7 @@ CHOICES = {
     "train.lr_schedule": ("constant", "cosine"),
     "sft.confidence": ("", "random"),
     "rollout.protocol": ("search_r1", "bapo", "deliberative", "webfilter"),
+    "rollout.weight_sync": ("memory", "file"),
     "train.optimizer": ("adamw", "adamw8bit"),
     "train.resample_stage": ("plateau", "always"),
     "train.resample_mode": ("enlarge", "replace"),
@@ -375,6 +384,9 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError("config key 'sft.warm_start' fine-tunes your model.path on the Search-R1 teacher: it needs "
                           f"model.path and rollout.protocol search_r1; got {cfg.model.path!r}, "
                           f"{cfg.rollout.protocol!r}")  # fmt: skip
+    if cfg.rollout.tensor_parallel_size > 1 and (cfg.rollout.engine, cfg.rollout.weight_sync) != ("vllm", "memory"):
+        raise ConfigError("config key 'rollout.tensor_parallel_size' > 1 shares a vLLM engine between training "
+                          "processes: it needs rollout.engine vllm and rollout.weight_sync memory")  # fmt: skip
     if not 0.0 <= cfg.sft.p_confidence_hint <= 1.0 or (cfg.sft.p_confidence_hint and cfg.sft.confidence != "random"):
         raise ConfigError(f"config key 'sft.p_confidence_hint' must be in [0, 1] and needs sft.confidence: random; "
                           f"got {cfg.sft.p_confidence_hint!r} with confidence {cfg.sft.confidence!r}")  # fmt: skip
@@ -423,6 +435,7 @@ RANGES = {
     "rollout.gpu_memory_utilization": "(0, 1]",
     "rollout.max_model_len": ">= 1",
     "rollout.max_queries_per_call": ">= 1",
+    "rollout.tensor_parallel_size": ">= 1",
     "train.seed": ">= 0",
     "train.steps": ">= 1",
     "train.questions_per_step": ">= 1",

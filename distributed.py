@@ -67,6 +67,32 @@ def broadcast(obj, world: int):
     return box[0]
 
 
+def my_share(items: list, rank: int, world: int) -> list:
+    """Rank `rank`'s contiguous block of `items` (sizes differ by at most one): concatenated in
+    rank order, the blocks are `items` again, so gathered results keep the 1-process order.
+    my_share(list(range(5)), 0, 2) == [0, 1, 2]; my_share(list(range(5)), 1, 2) == [3, 4]."""
+    return items[rank * len(items) // world : (rank + 1) * len(items) // world]
+
+
+def gather_lists(items: list, world: int, every: int = 1) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (pickled). every > 1 (ranks of
+    a tensor-parallel group hold the same list): only each group's first rank's list counts."""
+    if world == 1:
+        return items
+    boxes: list = [None] * world
+    dist.all_gather_object(boxes, items)
+    return [x for k, box in enumerate(boxes) if k % every == 0 for x in box]
+
+
+def max_over_ranks(x: float, world: int) -> float:
+    """The largest value of x over the ranks (a wall time: the step waits for the slowest rank)."""
+    if world == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def is_main(rank: int) -> bool:
     return rank == 0
 
@@ -224,21 +250,22 @@ def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
-def full_weights(model, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def full_weights(model, rank: int = 0, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every entry of the model's state dict, for `engine.load_weights`
     or a checkpoint. Each sharded tensor is all-gathered on its own, so at most one full
     parameter exists beside the shards, never a second copy of the model.
 
-    Rank 0 gets the pairs; other ranks get nothing, but EVERY rank must run the loop to its
-    end (the all-gathers are collectives: a rank that stops early hangs the others). Names are
-    the plain Hugging Face ones, the same keys as `model.state_dict()` of an unsharded model
-    (tied weights appear under both names, as there)."""
+    Rank 0 gets the pairs (every rank does with every_rank: each loads its own engine); other
+    ranks get nothing, but EVERY rank must run the loop to its end (the all-gathers are
+    collectives: a rank that stops early hangs the others). Names are the plain Hugging Face
+    ones, the same keys as `model.state_dict()` of an unsharded model (tied weights appear
+    under both names, as there)."""
     for name, tensor in model.state_dict().items():  # DTensor views of the local shards: no copy
         if hasattr(tensor, "full_tensor"):
             if tensor.device.type != tensor.device_mesh.device_type:  # cpu_offload on GPUs: NCCL wants GPU tensors
                 tensor = tensor.to(tensor.device_mesh.device_type)
             tensor = tensor.full_tensor()
-        if rank == 0:
+        if rank == 0 or every_rank:
             yield plain_name(name), tensor.detach()
 
 

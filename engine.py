@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from config import ConfigError, RolloutConfig
 
@@ -52,6 +53,17 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (stop string or EOS) or "length"
+
+
+@dataclass
+class Request:
+    """One generation the tool loop asks for: a trajectory's next turn (rollout.py)."""
+
+    key: int  # the caller's handle (the trajectory's index), handed back with the completion
+    prompt: list[int]  # the prompt and the response so far, token ids
+    max_tokens: int
+    seed: int  # per request: the sample does not depend on what else shares the batch
+    stop: list[str]
 
 
 def load_tokenizer(path: str | Path):
@@ -110,7 +122,7 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 class VLLMEngine:
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0,
-                 separate_process: bool = False):  # fmt: skip
+                 separate_process: bool = False, launcher: bool = False):  # fmt: skip
         self.sleep_mode = cfg.sleep_mode
         self.asleep = False
         if cfg.sleep_mode:
@@ -140,6 +152,9 @@ class VLLMEngine:
 
         logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload_warning)
         extension = {"worker_extension_cls": "engine.WeightFileReload"} if separate_process else {}
+        if launcher:  # one engine per training process (or per tensor-parallel group), in process
+            extension = {"distributed_executor_backend": "external_launcher",
+                         "tensor_parallel_size": cfg.tensor_parallel_size}  # fmt: skip
         try:
             self.llm = LLM(
                 model=str(model_dir),
@@ -160,28 +175,55 @@ class VLLMEngine:
             os.environ.update(saved)
 
     def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[Completion]:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
-        params = [
-            SamplingParams(
-                max_tokens=m,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                include_stop_str_in_output=True,
-                logprobs=0,
-                seed=None if seeds is None else seeds[i],
-                skip_special_tokens=False,
-            )
-            for i, m in enumerate(max_tokens)
-        ]
+        params = [self._params(m, temperature, top_p, stop, None if seeds is None else seeds[i])
+                  for i, m in enumerate(max_tokens)]  # fmt: skip
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        result = []
-        for o in outs:
-            c = o.outputs[0]
-            lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-            result.append(Completion(list(c.token_ids), lps, c.finish_reason or "stop"))
-        return result
+        return [self._completion(o) for o in outs]
+
+    def run_continuous(self, requests: list[Request], on_done, temperature: float, top_p: float) -> None:
+        """Continuous batching across turns: queue `requests`; after every engine step, hand the
+        ones that finished in it to `on_done`, which runs their tool calls (one batched call) and
+        returns their next turns, queued at once while the others keep generating. No trajectory
+        waits for the slowest of its turn, and the engine never drains between turns."""
+        from vllm import TokensPrompt
+
+        engine = self.llm.llm_engine
+        queued: dict[str, Request] = {}
+
+        def add(reqs: list[Request]) -> None:
+            for r in reqs:
+                rid = f"{len(queued)}"
+                queued[rid] = r
+                params = self._params(r.max_tokens, temperature, top_p, r.stop, r.seed)
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=r.prompt), params)
+
+        add(requests)
+        while engine.has_unfinished_requests():
+            finished = [o for o in engine.step() if o.finished]
+            if finished:
+                add(on_done([(queued[o.request_id], self._completion(o)) for o in finished]))
+
+    @staticmethod
+    def _params(max_tokens: int, temperature: float, top_p: float, stop: list[str], seed: int | None):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop,
+                              include_stop_str_in_output=True, logprobs=0, seed=seed,
+                              skip_special_tokens=False)  # fmt: skip
+
+    @staticmethod
+    def _completion(o) -> Completion:
+        c = o.outputs[0]
+        lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+        return Completion(list(c.token_ids), lps, c.finish_reason or "stop")
+
+    def close(self) -> None:
+        """Shut the engine down now, while the training process group still exists: with
+        external_launcher, vLLM's groups are subgroups of it, and its exit-time finalizer would
+        otherwise try to destroy them after the trainer has."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
         if self.sleep_mode and not self.asleep:
@@ -194,10 +236,12 @@ class VLLMEngine:
         if self.separate_process:
             self._load_weights_through_file(named_tensors)
         else:
-            weights = [(name, t.detach()) for name, t in named_tensors]
+            # streamed: under FSDP each full tensor is gathered as the loader asks for it, so at
+            # most one exists beside the shards (distributed.full_weights)
+            weights = ((name, t.detach()) for name, t in named_tensors)
 
             def reload(worker):
-                worker.model_runner.reload_weights(weights_iterator=iter(weights))
+                worker.model_runner.reload_weights(weights_iterator=weights)
 
             self.llm.collective_rpc(reload)
         if self.asleep:
@@ -246,36 +290,58 @@ class WeightFileReload:
             self.model_runner.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in f.keys()))
 
 
+class SeededSampler(LogitsProcessor):
+    """Samples each row of a transformers batch from its own torch.Generator (the request's seed),
+    as vLLM does: a trajectory's tokens do not depend on what shares its batch, so a rank that
+    rolls out half the questions samples what one process rolling out all of them does. Returns
+    the sample as a one-hot score row, which greedy decoding then picks."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, -1)
+        if self.top_p < 1.0:  # nucleus: the smallest set of tokens whose mass reaches top_p
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        picks = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs.cpu(), self.generators)]  # CPU generators
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter(-1, torch.stack(picks).to(scores.device), 0.0)
+
+
 class HFEngine:
     """transformers `generate` (batched, left-padded, KV cache) behind the same interface."""
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0):
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_policy(model_dir, dtype).eval()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_policy(model_dir, dtype).eval().to(self.device)
         self.batch_size = 64
 
     @torch.no_grad()
     def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[Completion]:
         result = []
+        seeds = seeds if seeds is not None else [int(torch.randint(2**31, ())) for _ in prompts]
         for i in range(0, len(prompts), self.batch_size):
             sl = slice(i, i + self.batch_size)
-            if seeds is not None:
-                torch.manual_seed(seeds[i])  # generate() samples from the global generator
-            result += self._batch(prompts[sl], max_tokens[sl], temperature, top_p, stop)
+            result += self._batch(prompts[sl], max_tokens[sl], temperature, top_p, stop, seeds[sl])
         return result
 
-    def _batch(self, prompts, max_tokens, temperature, top_p, stop) -> list[Completion]:
+    def _batch(self, prompts, max_tokens, temperature, top_p, stop, seeds) -> list[Completion]:
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         sample = temperature > 0
         out = self.model.generate(
             input_ids=ids,
             attention_mask=attn,
-            do_sample=sample,
-            temperature=temperature if sample else None,
-            top_p=top_p if sample else None,
+            do_sample=False,  # a sampled row's token comes from SeededSampler: argmax of its one-hot
+            logits_processor=LogitsProcessorList([SeededSampler(seeds, temperature, top_p)] if sample else []),
+            temperature=None,
+            top_p=None,
             top_k=None,
             max_new_tokens=max(max_tokens),
             stop_strings=stop,
@@ -306,21 +372,28 @@ class HFEngine:
     def sleep(self) -> None:  # nothing reserved ahead: nothing to free
         pass
 
+    def close(self) -> None:
+        pass
+
     def load_weights(self, named_tensors) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=False)
 
     @torch.no_grad()
     def score(self, ids: list[int]) -> list[float]:
-        logits = self.model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, :-1].float()
+        target = torch.tensor(ids[1:], device=self.device)[:, None]
+        return torch.log_softmax(logits, -1).gather(-1, target)[:, 0].tolist()
 
 
 def make_engine(kind: str, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0,
-                separate_process: bool = False):  # fmt: skip
+                separate_process: bool = False, launcher: bool = False):  # fmt: skip
+    """separate_process: vLLM's engine core in a spawned process, weights through a file (the
+    fallback for several training processes); launcher: vLLM's `external_launcher` executor,
+    the engine in this training process beside the others' (the default for several)."""
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no model at {model_dir} (expected {Path(model_dir) / 'config.json'})")
     if kind == "vllm":
-        return VLLMEngine(model_dir, cfg, dtype, seed, separate_process)
+        return VLLMEngine(model_dir, cfg, dtype, seed, separate_process, launcher)
     if kind == "hf":
         return HFEngine(model_dir, cfg, dtype, seed)
     raise ValueError(f"unknown engine {kind!r}: use 'vllm' or 'hf'")

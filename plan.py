@@ -46,11 +46,13 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
                   the policy, so their gathered units and activations are never live together)
   fits when the peak <= (1 - hardware.vllm_memory_fraction) * hardware.gpu_memory_gb
 
-  vLLM (colocated, tensor parallel 1): weights = P * b, a full copy on every GPU;
+  vLLM (colocated: one engine per GPU, or per group of R = rollout.tensor_parallel_size GPUs,
+  each rolling out its share of the questions): weights = P * b / R on every GPU;
   KV cache = vllm_memory_fraction * gpu_memory_gb - weights (vLLM's own activations and CUDA
-  graphs, ~1-2 GB, come out of this too); KV bytes per token = 2 * L * kv_heads * head_dim * b;
-  the rollout batch needs up to questions_per_step * group_size * rollout.max_model_len / N
-  tokens per GPU (every trajectory at full length); more than fit means vLLM runs it in waves.
+  graphs, ~1-2 GB, come out of this too); KV bytes per token per GPU = 2 * L * kv_heads *
+  head_dim * b / R; an engine's share of the rollout batch is up to questions_per_step *
+  group_size * rollout.max_model_len / (N / R) tokens (every trajectory at full length); more
+  than fit means vLLM runs it in waves.
 
 Worked example: configs/search_r1_ppo_qwen2.5-7b-base.yaml, Qwen2.5-7B (h 3584, L 28, 28 heads,
 4 kv heads, head_dim 128, i 18944, V 152064, untied) on 8 x 80 GB, bf16, FSDP, CPU offload,
@@ -273,13 +275,17 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     total = resident + max(policy_ws, gpu["critic_working_set"])
     budget = (1 - hw.vllm_memory_fraction) * hw.gpu_memory_gb
 
-    # vLLM: a full copy of the weights on every GPU, the rest of its share is KV cache.
-    kv_per_token = 2 * a.layers * a.kv_heads * a.head_dim * b
-    vllm = {"weights": n * b / GB, "budget": hw.vllm_memory_fraction * hw.gpu_memory_gb}
+    # vLLM: one engine per GPU (per tensor-parallel group of tp GPUs, each holding 1/tp of the
+    # weights and of each token's KV); the rest of its share is KV cache.
+    tp = cfg.rollout.tensor_parallel_size
+    kv_per_token = 2 * a.layers * a.kv_heads * a.head_dim * b / tp
+    vllm = {"weights": n * b / tp / GB, "budget": hw.vllm_memory_fraction * hw.gpu_memory_gb, "tp": tp}
     vllm["kv_cache"] = vllm["budget"] - vllm["weights"]
     vllm["kv_bytes_per_token"] = kv_per_token
     vllm["kv_tokens"] = max(0, int(vllm["kv_cache"] * GB // kv_per_token))
-    vllm["rollout_tokens"] = math.ceil(t.questions_per_step * t.group_size * cfg.rollout.max_model_len / hw.gpus)
+    engines = max(1, hw.gpus // tp)
+    vllm["engines"] = engines
+    vllm["rollout_tokens"] = math.ceil(t.questions_per_step * t.group_size * cfg.rollout.max_model_len / engines)
     vllm["waves"] = vllm["rollout_tokens"] / vllm["kv_tokens"] if vllm["kv_tokens"] else math.inf
 
     plan = {
@@ -378,14 +384,17 @@ def format_plan(cfg: Config, plan: dict) -> str:
     how = f"of {plan['train_budget']:.2f} GB (1 - {hw.vllm_memory_fraction:g} for vLLM): {verdict}"
     row("training peak", plan["train_total"], plan["host_per_gpu"], how)
     row("", None, plan["host_per_node"], f"host GB for all {hw.gpus} GPUs")
-    row("vLLM weights (tensor parallel 1)", v["weights"], None, f"{sci(plan['model']['params'])} x {b} B, a full copy")
+    copy = "a full copy" if v["tp"] == 1 else f"1/{v['tp']} of a copy"
+    params = sci(plan["model"]["params"])
+    row(f"vLLM weights (tensor parallel {v['tp']})", v["weights"], None, f"{params} x {b} B, {copy}")
     verdict = "fits" if plan["vllm_fits"] else "does not fit"
     row("vLLM KV cache", v["kv_cache"], None, f"{v['budget']:.2f} - {v['weights']:.2f}: {verdict}")
     waves = f": ~{v['waves']:.1f} waves at full length" if v["waves"] > 1 else ""
     lines += [
-        f"KV cache: {v['kv_bytes_per_token']:,} B per token (2 x {a.layers} x {a.kv_heads} x {a.head_dim} x {b} B), "
-        f"{v['kv_tokens']:,} tokens fit; the rollout batch needs up to {v['rollout_tokens']:,} per GPU "
-        f"({t.questions_per_step} x {t.group_size} x {cfg.rollout.max_model_len} / {hw.gpus}){waves}",
+        f"KV cache: {v['kv_bytes_per_token']:,.0f} B per token per GPU (2 x {a.layers} x {a.kv_heads} x {a.head_dim} "
+        f"x {b} B / {v['tp']}), {v['kv_tokens']:,} tokens fit; each of the {v['engines']} engines rolls out up to "
+        f"{v['rollout_tokens']:,} ({t.questions_per_step} x {t.group_size} x {cfg.rollout.max_model_len} / "
+        f"{v['engines']}){waves}",
         f"=> {'fits' if plan['fits'] else 'does not fit'}",
     ]
     lines += ["advice: " + line for line in plan["advice"]]

@@ -47,6 +47,7 @@ from pathlib import Path
 import protocols
 from answers import last_block, parse_response, split_segments
 from config import ConfigError, RolloutConfig
+from engine import Completion, Request
 from protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text
 
 TAGS = [
@@ -170,11 +171,16 @@ def rollout_batch(
     wrapped like an observation), e.g. naive RAG's forced first search:
         [("<think> </think><search> Tavi Morek born</search>", "prefix"), ("Doc 1(...)...", "obs")]
 
-    search_fn(list[str]) -> list[str]: rendered hits for each query, one batched call per turn;
-    or a dict of such batched tools, {"search": .., "read": ..} (protocols.web_tools), whose
-    results may be websearch.py dicts (the protocol renders them).
+    search_fn(list[str]) -> list[str]: rendered hits for each query, one batched call for the
+    trajectories that stopped together; or a dict of such batched tools, {"search": .., "read": ..}
+    (protocols.web_tools), whose results may be websearch.py dicts (the protocol renders them).
     Group ids are `group_prefix + question id`, so ids from several datasets cannot collide as
     long as question ids are unique within a dataset and the prefix names the dataset.
+
+    Scheduling (`rollout.continuous`): with vLLM each trajectory's next turn is queued as soon as
+    its own tool call returns (engine.run_continuous); otherwise turn by turn (run_in_turns). Every
+    request carries its own seed (question, sample, turn), so the records do not depend on which
+    trajectories shared a batch.
     """
     proto = protocols.get(cfg.protocol)
     tools = search_fn if isinstance(search_fn, dict) else {"search": search_fn}
@@ -187,95 +193,129 @@ def rollout_batch(
             states.append(_State(q, group_prefix + str(q["id"]), k, ids))
             if prefixes is not None:
                 _force_prefix(states[-1], prefixes[qi], tokenizer, cfg)
-    budget = cfg.max_model_len
-    for turn in range(1, cfg.max_turns + 2):  # max_turns that may search, then the answer-only one
-        active = [s for s in states if not s.finish]
-        if not active:
-            break
-        room = [budget - len(s.prompt_ids) - len(s.response_ids) for s in active]
-        for s, r in zip(active, room):
-            if r < 8:
-                s.finish = "length"
-        active = [s for s, r in zip(active, room) if r >= 8]
-        outs = engine.generate(
-            [s.prompt_ids + s.response_ids for s in active],
-            max_tokens=[min(cfg.max_tokens_per_turn, r) for r in room if r >= 8],
-            temperature=0.0 if greedy else cfg.temperature,
-            top_p=1.0 if greedy else cfg.top_p,
-            stop=proto.stop,
+
+    def next_turn(i: int) -> list[Request]:
+        """The request for state i's next turn, or none when it has no turn or room left."""
+        s, turn = states[i], states[i].turns + 1
+        room = cfg.max_model_len - len(s.prompt_ids) - len(s.response_ids)
+        if turn > cfg.max_turns + 1:  # max_turns that may search, then the answer-only one
+            s.finish = s.finish or "max_turns"
+        elif room < 8:
+            s.finish = "length"
+        else:
             # stable per-rollout seeds (not Python's salted hash): a resumed run samples the same
-            seeds=[zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}".encode()) for s in active],
-        )
-        pending: list[tuple[_State, dict]] = []
-        answered: list[_State] = []
-        for s, out in zip(active, outs):
-            s.turns = turn
-            start = len(s.response_ids)
-            s.response_ids += out.token_ids
-            s.loss_mask += [1] * len(out.token_ids)
-            s.logprobs += out.logprobs
-            text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
-            s.chunks.append({"role": "policy", "text": text, "start": start, "end": len(s.response_ids)})
-            act = proto.parse(text, cfg)  # {"kind": "answer" | "act" | "none", "calls", "error"}
-            if act["kind"] == "answer":
-                s.finish = "answer"
-                answered.append(s)
-            elif act["kind"] == "act":
-                if turn > cfg.max_turns:
-                    s.finish = "max_turns"  # the final turn may not search
-                elif act.get("end"):
-                    s.finish = act["end"]  # search_r1: a closing tag without a block ("format")
-                else:
-                    pending.append((s, act))
-            else:
-                s.finish = "length" if out.finish_reason == "length" else "eos"
-        if answered and cfg.confidence_after_answer:
-            _annotate_confidence(engine, tokenizer, answered, cfg, greedy, seed, turn)
+            key = zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}".encode())
+            return [Request(i, s.prompt_ids + s.response_ids, min(cfg.max_tokens_per_turn, room), key, proto.stop)]
+        return []
+
+    def on_done(done: list[tuple[Request, Completion]]) -> list[Request]:
+        """Finished generations -> their tool calls, run in one batched call -> the next requests."""
+        pending: list[tuple[int, dict]] = []
+        follow: list[Request] = []
+        for req, out in done:
+            s = states[req.key]
+            if req.stop == CONFIDENCE_STOP:
+                _append_confidence(s, out, tokenizer)
+                continue
+            act = _take_turn(s, out, tokenizer, proto, cfg)
+            if act is not None:
+                pending.append((req.key, act))
+            elif s.finish == "answer" and cfg.confidence_after_answer:
+                follow += _confidence_request(req.key, s, cfg, seed)
         if pending:
             results = _run_tools(tools, [act for _, act in pending])  # one batched call per tool
-            for (s, act), res in zip(pending, results):
-                body = _observe(s, proto, act, res, tools, turn)
-                obs = observation_ids(tokenizer, body, cfg.max_obs_tokens, wrap)
-                start = len(s.response_ids)
-                s.response_ids += obs
-                s.loss_mask += [0] * len(obs)  # retrieved tokens are never the policy's
-                s.logprobs += [0.0] * len(obs)
-                obs_text = tokenizer.decode(obs, skip_special_tokens=False)
-                s.chunks.append({"role": "tool", "text": obs_text, "start": start, "end": len(s.response_ids)})
-                if wrap != proto.obs:  # a chat tool message: the rewards read the protocol's own tags
-                    cut = tokenizer.decode(tokenizer.encode(body, add_special_tokens=False)[: cfg.max_obs_tokens])
-                    s.chunks[-1]["block"] = proto.obs[0] + cut + proto.obs[1]
+            for (i, act), res in zip(pending, results):
+                _append_observation(states[i], act, res, tokenizer, proto, tools, wrap, cfg)
+                follow += next_turn(i)
+        return follow
+
+    first = [r for i in range(len(states)) for r in next_turn(i)]
+    sampling = {"temperature": 0.0 if greedy else cfg.temperature, "top_p": 1.0 if greedy else cfg.top_p}
+    if cfg.continuous and hasattr(engine, "run_continuous"):
+        engine.run_continuous(first, on_done, **sampling)
+    else:
+        run_in_turns(engine, first, on_done, **sampling)
     for s in states:
         s.finish = s.finish or "max_turns"
     return [_record(s, tokenizer, proto) for s in states]
 
 
-def _annotate_confidence(engine, tokenizer, states: list[_State], cfg: RolloutConfig, greedy: bool, seed: int,
-                         turn: int) -> None:  # fmt: skip
+def run_in_turns(engine, requests: list[Request], on_done, temperature: float, top_p: float) -> None:
+    """Lock-step scheduling for engines that only offer `generate` (transformers, the teachers):
+    every queued request in one batch (one per stop list), wait for all, hand them to on_done."""
+    while requests:
+        done: list[tuple[Request, Completion]] = []
+        for stop in dict.fromkeys(tuple(r.stop) for r in requests):
+            batch = [r for r in requests if tuple(r.stop) == stop]
+            outs = engine.generate([r.prompt for r in batch], max_tokens=[r.max_tokens for r in batch],
+                                   temperature=temperature, top_p=top_p, stop=list(stop),
+                                   seeds=[r.seed for r in batch])  # fmt: skip
+            done += zip(batch, outs)
+        requests = on_done(done)
+
+
+def _take_turn(s: _State, out: Completion, tokenizer, proto: Protocol, cfg: RolloutConfig) -> dict | None:
+    """Append one generated turn to s; returns its tool action, or None when the rollout ends."""
+    s.turns += 1
+    start = len(s.response_ids)
+    s.response_ids += out.token_ids
+    s.loss_mask += [1] * len(out.token_ids)
+    s.logprobs += out.logprobs
+    text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
+    s.chunks.append({"role": "policy", "text": text, "start": start, "end": len(s.response_ids)})
+    act = proto.parse(text, cfg)  # {"kind": "answer" | "act" | "none", "calls", "error"}
+    if act["kind"] == "answer":
+        s.finish = "answer"
+    elif act["kind"] == "act":
+        if s.turns > cfg.max_turns:
+            s.finish = "max_turns"  # the final turn may not search
+        elif act.get("end"):
+            s.finish = act["end"]  # search_r1: a closing tag without a block ("format")
+        else:
+            return act
+    else:
+        s.finish = "length" if out.finish_reason == "length" else "eos"
+    return None
+
+
+def _append_observation(s: _State, act: dict, results: list, tokenizer, proto: Protocol, tools: dict,
+                        wrap: tuple[str, str], cfg: RolloutConfig) -> None:  # fmt: skip
+    body = _observe(s, proto, act, results, tools, s.turns)
+    obs = observation_ids(tokenizer, body, cfg.max_obs_tokens, wrap)
+    start = len(s.response_ids)
+    s.response_ids += obs
+    s.loss_mask += [0] * len(obs)  # retrieved tokens are never the policy's
+    s.logprobs += [0.0] * len(obs)
+    obs_text = tokenizer.decode(obs, skip_special_tokens=False)
+    s.chunks.append({"role": "tool", "text": obs_text, "start": start, "end": len(s.response_ids)})
+    if wrap != proto.obs:  # a chat tool message: the rewards read the protocol's own tags
+        cut = tokenizer.decode(tokenizer.encode(body, add_special_tokens=False)[: cfg.max_obs_tokens])
+        s.chunks[-1]["block"] = proto.obs[0] + cut + proto.obs[1]
+
+
+CONFIDENCE_STOP = ["</confidence>"]
+
+
+def _confidence_request(i: int, s: _State, cfg: RolloutConfig, seed: int) -> list[Request]:
     """rollout.confidence_after_answer: the answering turn goes on until </confidence>.
 
     The continuation is the policy's own (loss_mask 1, its logprobs), part of the same turn and
     chunk: "<answer> Velor</answer>" becomes "<answer> Velor</answer><confidence> 3</confidence>".
     A rollout without room for it keeps its answer; the reward then finds no confidence.
     """
-    room = [cfg.max_model_len - len(s.prompt_ids) - len(s.response_ids) for s in states]
-    states = [s for s, r in zip(states, room) if r >= 1]
-    if not states:
-        return
-    outs = engine.generate(
-        [s.prompt_ids + s.response_ids for s in states],
-        max_tokens=[min(cfg.max_tokens_per_turn, r) for r in room if r >= 1],
-        temperature=0.0 if greedy else cfg.temperature,
-        top_p=1.0 if greedy else cfg.top_p,
-        stop=["</confidence>"],
-        seeds=[zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}|confidence".encode()) for s in states],
-    )
-    for s, out in zip(states, outs):
-        s.response_ids += out.token_ids
-        s.loss_mask += [1] * len(out.token_ids)
-        s.logprobs += out.logprobs
-        s.chunks[-1]["text"] += tokenizer.decode(out.token_ids, skip_special_tokens=False)
-        s.chunks[-1]["end"] = len(s.response_ids)
+    room = cfg.max_model_len - len(s.prompt_ids) - len(s.response_ids)
+    if room < 1:
+        return []
+    key = zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{s.turns}|confidence".encode())
+    return [Request(i, s.prompt_ids + s.response_ids, min(cfg.max_tokens_per_turn, room), key, CONFIDENCE_STOP)]
+
+
+def _append_confidence(s: _State, out: Completion, tokenizer) -> None:
+    s.response_ids += out.token_ids
+    s.loss_mask += [1] * len(out.token_ids)
+    s.logprobs += out.logprobs
+    s.chunks[-1]["text"] += tokenizer.decode(out.token_ids, skip_special_tokens=False)
+    s.chunks[-1]["end"] = len(s.response_ids)
 
 
 def _run_tools(tools: dict, acts: list[dict]) -> list[list]:

@@ -45,7 +45,6 @@ draws it.
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import json
 import math
@@ -55,6 +54,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from answers import parsed
@@ -75,7 +75,7 @@ from constraints import restore as restore_constraints
 from constraints import state as constraint_state
 from constraints import step as constraints_step
 from data import data_paths, ensure_policy, load_questions, make_search_fn
-from distributed import all_reduce, balanced_micro_batches, broadcast, clip_grad_norm, init, make_optimizer
+from distributed import all_reduce, balanced_micro_batches, broadcast, clip_grad_norm, init, make_optimizer, my_share
 from engine import load_policy, load_tokenizer, make_engine
 from judge import make_judge
 from metrics import batch_metrics, paper_metrics
@@ -408,6 +408,24 @@ def resample_marked_groups(records: list[dict], questions: list[dict], roll_out,
     return records, count
 
 
+def score_shared(records: list[dict], spec: str, params: dict, judge, rank: int, world: int) -> None:
+    """rewards.score on every record, each rank scoring the groups of its block (a judge is asked
+    once per record, and a group's rewards are computed where the whole group is); every rank
+    then has every reward, in place."""
+    groups = list(dict.fromkeys(str(r["group_id"]) for r in records))
+    owner = {g: k for k in range(world) for g in my_share(groups, k, world)}
+    mine = [r for r in records if owner[str(r["group_id"])] == rank]
+    score(mine, spec, params, judge)
+    if world == 1:
+        return
+    boxes: list = [None] * world
+    dist.all_gather_object(boxes, [(r["reward"], r["reward_components"]) for r in mine])
+    results = [iter(box) for box in boxes]
+    for r in records:
+        r["reward"], r["reward_components"] = next(results[owner[str(r["group_id"])]])
+        r.pop("_parsed", None)  # the parse cache (answers.parsed) is rebuilt from the record alone
+
+
 def rft_select(records: list[dict], accept: float) -> list[dict]:
     """Reliable RFT (BAPO's baseline): keep the rollouts the reward accepts (reward >= accept);
     for a question with none, keep one that says "I don't know" if there is one."""
@@ -436,23 +454,28 @@ def rft_step(model, records: list[dict], optimizer, cfg: Config, pad_id: int, st
 
 def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     """The loop. With several processes (`accelerate launch --multi_gpu` / torchrun, train.fsdp),
-    rank 0 rolls out, scores and evaluates; every rank takes its share of the update (FSDP)."""
+    every rank rolls out, scores and evaluates its share of the questions with its own engine,
+    every rank sees the whole batch, and takes its share of the update (FSDP)."""
     from distributed import (
         barrier,
-        broadcast,
         full_weights,
+        gather_lists,
         init,
+        max_over_ranks,
         needs_reference,
         shard,
         shard_critic,
         shard_reference,
     )
-    from eval import evaluate
+    from eval import rollout_mode, summarize
 
     rank, world, device = init()
     main_proc = rank == 0
     if world > 1 and not cfg.train.fsdp:
         raise ConfigError(f"{world} processes need train.fsdp: true (there is no replicated data-parallel mode)")
+    tp = cfg.rollout.tensor_parallel_size  # ranks per engine
+    if world % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size {tp} must divide the number of processes ({world})")
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(cfg.train.threads)
     constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
@@ -466,15 +489,15 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])
     tokenizer = load_tokenizer(start_dir)
     check_chat_template(tokenizer, cfg.rollout, start_dir)  # before any engine starts
-    engine = search_fn = None
     timings: dict[str, float] = {}
-    if main_proc:
-        # several processes: vLLM in a process of its own, or it joins the training group (engine.py)
-        engine = make_engine(
-            cfg.rollout.engine, start_dir, cfg.rollout, cfg.model.dtype, seed=cfg.train.seed,
-            separate_process=world > 1,
-        )  # before bm25s
-        search_fn = make_search_fn(cfg, paths["corpus"], timings)
+    # an engine per process (per tensor-parallel group): vLLM's external_launcher joins the
+    # launcher's processes; "file": each engine in a process of its own (engine.py)
+    engine = make_engine(
+        cfg.rollout.engine, start_dir, cfg.rollout, cfg.model.dtype, seed=cfg.train.seed,
+        separate_process=world > 1 and cfg.rollout.weight_sync == "file",
+        launcher=world > 1 and cfg.rollout.weight_sync == "memory",
+    )  # before bm25s
+    search_fn = make_search_fn(cfg, paths["corpus"], timings)
     torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
     lora_on = cfg.train.lora_rank > 0
     if lora_on and world > 1:
@@ -527,19 +550,30 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         print(f"resumed from {resume_from} at step {step0}", flush=True)
     val_subset = val_q[: cfg.eval.max_questions] if cfg.eval.max_questions else val_q
 
+    def roll_out(qs: list[dict], seed: int) -> list[dict]:
+        """Each engine rolls out its block of qs (whole groups); every rank gets all the records,
+        in the order of qs, as one process would have them."""
+        mine = rollout_batch(engine, tokenizer, my_share(qs, rank // tp, world // tp), cfg.train.group_size, search_fn,
+                             cfg.rollout, seed=seed, group_prefix=cfg.data.name + ":")  # fmt: skip
+        return gather_lists(mine, world, every=tp)
+
     def run_eval() -> dict:
-        val_records: list[dict] = []
-        ev = evaluate(engine, tokenizer, val_subset, search_fn, cfg, val_records)
-        score(val_records, cfg.train.reward, reward_params(constraints, cfg.train.reward_params), judge)
+        """Greedy, one rollout per question, each engine its block; the metrics of them all."""
+        mine = rollout_mode("agentic", engine, tokenizer, my_share(val_subset, rank // tp, world // tp), search_fn, cfg)
+        val_records = gather_lists(mine, world, every=tp)
+        ev = summarize(val_records)  # EM-scored (rollout_mode)
+        score_shared(val_records, cfg.train.reward, reward_params(constraints, cfg.train.reward_params), judge,
+                     rank, world)  # fmt: skip
         ev |= {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
-        return ev | paper_metrics(val_records, measure_judge)
+        return ev | broadcast(paper_metrics(val_records, measure_judge) if main_proc else None, world)
 
     trackers = open_trackers(cfg, run, resumed=resume_from is not None) if main_proc else []
-    if step0 == 0 and cfg.train.eval_every > 0 and main_proc:
+    if step0 == 0 and cfg.train.eval_every > 0:
         ev = run_eval()
-        log(run, {"step": 0, "eval": ev})
-        track(trackers, {"step": 0, "eval": ev})
-        print(f"step 0 eval: {json.dumps(ev)}", flush=True)
+        if main_proc:
+            log(run, {"step": 0, "eval": ev})
+            track(trackers, {"step": 0, "eval": ev})
+            print(f"step 0 eval: {json.dumps(ev)}", flush=True)
     bar = tqdm(range(step0, cfg.train.steps), desc=cfg.train.algo, initial=step0, total=cfg.train.steps,
                disable=not main_proc)  # fmt: skip
     ev = {}
@@ -553,31 +587,19 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         t0 = time.time()
         resampled, t_generate, t_reward = 0, 0.0, 0.0
         constraint_row: dict = {}
-        records: list[dict] = []
-        if main_proc:
-            records = rollout_batch(
-                engine, tokenizer, questions, cfg.train.group_size, search_fn, cfg.rollout,
-                seed=cfg.train.seed * 100003 + step, group_prefix=cfg.data.name + ":",
-            )  # fmt: skip
-            if cfg.train.resample_groups > 0:
-                def roll_out(qs: list[dict], seed: int) -> list[dict]:
-                    return rollout_batch(engine, tokenizer, qs, cfg.train.group_size, search_fn, cfg.rollout, seed=seed,
-                                         group_prefix=cfg.data.name + ":")  # fmt: skip
-
-                records, resampled = resample_marked_groups(records, questions, roll_out, cfg, step,
-                                                            bapo.stage if bapo else "plateau")  # fmt: skip
-            engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
-            t_generate = time.time() - t0 - timings.get("retrieve", 0.0)
-            t0 = time.time()
-            params = reward_params(constraints, cfg.train.reward_params)
-            if bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
-                params |= {"stage": bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
-            score(records, cfg.train.reward, params, judge)
-            constraint_row = constraints_step(constraints, records)  # U, then the terms, then the dual update
-            if world > 1:  # the parse cache (answers.parsed) stays on rank 0; the others get plain records
-                for r in records:
-                    r.pop("_parsed", None)
-        records = broadcast(records, world)
+        records = roll_out(questions, cfg.train.seed * 100003 + step)
+        if cfg.train.resample_groups > 0:
+            records, resampled = resample_marked_groups(records, questions, roll_out, cfg, step,
+                                                        bapo.stage if bapo else "plateau")  # fmt: skip
+        engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
+        t_retrieve = max_over_ranks(timings.get("retrieve", 0.0), world)
+        t_generate = max_over_ranks(time.time() - t0 - timings.get("retrieve", 0.0), world)
+        t0 = time.time()
+        params = reward_params(constraints, cfg.train.reward_params)
+        if bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
+            params |= {"stage": bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
+        score_shared(records, cfg.train.reward, params, judge, rank, world)
+        constraint_row = constraints_step(constraints, records)  # U, then the terms, then the dual update
         if cfg.train.kl_in_reward and ref is not None and cfg.train.algo == "grpo":
             for r, kl in zip(records, kl_penalties(ref, records, cfg, tokenizer.pad_token_id)):
                 r["kl_penalty"] = kl
@@ -606,19 +628,16 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             from lora import merged_weights
 
             weights = merged_weights(model)
-        else:
-            weights = full_weights(model, rank) if world > 1 else model.state_dict().items()
-        if main_proc:
-            engine.load_weights(weights)
-        else:
-            collections.deque(weights, maxlen=0)  # take part in the gathers; rank 0 keeps the tensors
-        t_sync = time.time() - t0
+        else:  # several processes: each gathers the full tensors, one at a time, into its own engine
+            weights = full_weights(model, rank, every_rank=True) if world > 1 else model.state_dict().items()
+        engine.load_weights(weights)
+        t_sync = max_over_ranks(time.time() - t0, world)
         if main_proc:
             gen_tokens = sum(sum(r["loss_mask"]) for r in records)
             row = {"step": step + 1} | batch_metrics(records) | stats | constraint_row | {
                 "lr": lr_at(step, cfg),
                 "tokens_per_s": gen_tokens / max(t_generate, 1e-9),
-                "time": {"generate": t_generate, "retrieve": timings.get("retrieve", 0.0),
+                "time": {"generate": t_generate, "retrieve": t_retrieve,
                          "reward": t_reward, "train": t_train, "sync": t_sync},
             }  # fmt: skip
             if cfg.train.resample_groups > 0:
@@ -626,14 +645,16 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             if bapo is not None:
                 row |= {"bapo_stage": bapo.stage, f"idk_rate/{bapo.stage}": row["idk_rate"]}
             write_samples(run, step + 1, records[: cfg.train.samples_per_step])
-            if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
-                ev = run_eval()
+        if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+            ev = run_eval()  # every rank: each evaluates its share, all update the same state
+            for c in constraints:
+                if c.measure == "val":
+                    dual_update(c, float(ev.get(c.stat, ev.get(c.stat.removeprefix("reward/"), 0.0))))
+            if bapo is not None:
+                bapo.update(ev["em"])  # the validation score whose plateau switches the stage
+            if main_proc:
                 row["eval"] = ev
-                for c in constraints:
-                    if c.measure == "val":
-                        dual_update(c, float(ev.get(c.stat, ev.get(c.stat.removeprefix("reward/"), 0.0))))
-                if bapo is not None:
-                    bapo.update(ev["em"])  # the validation score whose plateau switches the stage
+        if main_proc:
             log(run, row)
             track(trackers, row)
             bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
@@ -645,6 +666,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             save_checkpoint(run, step + 1, model, tokenizer, optimizer, trainer_state, cfg.train.keep_checkpoints,
                             critic, rank, world, critic_opt)  # fmt: skip
     close_trackers(trackers)
+    engine.close()
     return ev
 
 

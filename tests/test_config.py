@@ -125,6 +125,7 @@ def test_every_float_must_be_finite(override):
         ("train.gae_lambda=1.5", "in [0, 1]"),
         ("train.lora_dropout=1", "in [0, 1)"),
         ("world.misinfo_frac=-0.1", "in [0, 1]"),
+        ("rollout.tensor_parallel_size=0", ">= 1"),
     ],
 )
 def test_out_of_range_values_name_the_key_and_the_range(override, allowed):
@@ -184,3 +185,11 @@ def test_cli_reports_a_bad_config_in_one_line(tmp_path, script, args, says):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
     assert says in line
+
+
+@pytest.mark.parametrize("override", ["rollout.engine=hf", "rollout.weight_sync=file"])
+def test_a_shared_engine_needs_vllm_in_the_training_process(override):
+    with pytest.raises(ConfigError, match="config key 'rollout.tensor_parallel_size' > 1 shares a vLLM engine"):
+        load_config(None, ["rollout.tensor_parallel_size=2", override])
+    with pytest.raises(ConfigError, match="config key 'rollout.weight_sync' must be one of memory, file"):
+        load_config(None, ["rollout.weight_sync=disk"])

@@ -65,8 +65,18 @@ def test_qwen25_7b_on_8x80gb_matches_a_hand_calculation(tmp_path):
     assert v["weights"] == pytest.approx(P7 * 2 / GB)  # 15.23 GB, a full bf16 copy
     assert v["kv_bytes_per_token"] == 2 * L * 4 * 128 * 2 == 57_344
     assert v["kv_tokens"] == int((40e9 - P7 * 2) // 57_344)
-    assert v["rollout_tokens"] == 16 * 8 * 1024 // 8  # config defaults: 16 questions x 8 x 1024 / 8 GPUs
+    assert v["rollout_tokens"] == 16 * 8 * 1024 // 8  # config defaults: 16 questions x 8 x 1024 / 8 engines
     assert plan["fits"] and not plan["advice"]
+
+
+def test_tensor_parallel_engines_hold_a_share_of_the_weights_and_kv(tmp_path):
+    """rollout.tensor_parallel_size 2 on 8 GPUs: 4 engines, each GPU half a copy of the weights
+    and half of each token's KV, each engine a quarter of the rollout batch."""
+    one = memory_plan(qwen7b(tmp_path))["vllm"]
+    two = memory_plan(qwen7b(tmp_path, "rollout.tensor_parallel_size=2"))["vllm"]
+    assert two["weights"] == pytest.approx(one["weights"] / 2) and two["engines"] == 4 and one["engines"] == 8
+    assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] / 2
+    assert two["rollout_tokens"] == 2 * one["rollout_tokens"]
 
 
 def test_ppo_with_offload_moves_state_to_host_and_adds_a_critic(tmp_path):

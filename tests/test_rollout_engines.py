@@ -7,6 +7,7 @@ logprob bookkeeping, the engine/bm25s start-up order, and weight sync into vLLM.
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,11 +64,20 @@ def test_vllm_rollouts_search_and_keep_bookkeeping(vllm_engine, setup):
     searched = sum(r["num_searches"] for r in records)
     assert searched >= 16, "the SFT'd micro policy should search"
     assert sum(r["finish"] == "answer" for r in records) >= 16
-    # one batched retriever call per turn, holding every active query of that turn
-    assert len(calls) <= cfg.rollout.max_turns
-    assert sum(len(c) for c in calls) == searched
+    # continuous (the default): one batched retriever call per engine step, holding the queries
+    # of the trajectories that stopped in it; every query is asked once
+    assert sum(len(c) for c in calls) == searched and len(calls) < searched
     # group ids: one per question, dataset-prefixed
     assert len({r["group_id"] for r in records}) == 8 and records[0]["group_id"].startswith("tiny:")
+    # turn by turn: one batched call per turn, and the same records: per-request seeds make them
+    # independent of the schedule
+    calls.clear()
+    turns = rollout_batch(vllm_engine, tok, questions, 4, search_fn, replace(cfg.rollout, continuous=False), seed=1,
+                          group_prefix="tiny:")  # fmt: skip
+    assert len(calls) <= cfg.rollout.max_turns and sum(len(c) for c in calls) == searched
+    for a, b in zip(records, turns):
+        assert (a["response_ids"], a["loss_mask"], a["finish"]) == (b["response_ids"], b["loss_mask"], b["finish"])
+        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= 1e-6
 
 
 def test_vllm_and_hf_agree_greedily(vllm_engine, setup, micro):
