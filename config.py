@@ -184,6 +184,7 @@ class RolloutConfig:
     # (vLLM's external_launcher), full weights loaded from memory; "file", each engine in a process
     # of its own, weights through a safetensors file in /dev/shm (the fallback)
     weight_sync: str = "memory"
+    kv_block_size: int = 0  # vLLM KV block (the prefix-cache unit); 0: 32 on CPU (engine.kv_block_size), else vLLM's
     tensor_parallel_size: int = 1  # ranks that share one engine ("memory" only): a model too big for one GPU
 
 
@@ -436,6 +437,7 @@ RANGES = {
     "rollout.max_model_len": ">= 1",
     "rollout.max_queries_per_call": ">= 1",
     "rollout.tensor_parallel_size": ">= 1",
+    "rollout.kv_block_size": ">= 0",
     "train.seed": ">= 0",
     "train.steps": ">= 1",
     "train.questions_per_step": ">= 1",

@@ -30,8 +30,11 @@ Variants of the same loop (config train.*): `constraints` add Lagrange multiplie
 (constraints.py, Deliberative Searcher Alg. 1); `algo: ppo` replaces step 3 with a critic and
 GAE (ppo.py); `algo: rft` keeps only accepted rollouts and fine-tunes on them (BAPO's
 baseline); `reward: bapo` adds BAPO's resampling and stage switch. Several processes
-(`accelerate launch --multi_gpu`, distributed.py): rank 0 runs steps 1-3, every rank step 5 on
-its FSDP shard, and step 6 gathers the full weights one tensor at a time.
+(`accelerate launch --multi_gpu`, distributed.py): each rank's own engine rolls out a block of
+the step's questions (whole groups) and each rank scores the groups it rolled out; the records
+are gathered, so every rank computes the same advantages, constraint terms and metrics as one
+process would; every rank runs step 5 on its FSDP shard, and step 6 gathers the full weights one
+tensor at a time into every rank's engine. Evaluation is sharded the same way.
 
 Worked example of step 3: a group of 4 rewards [1, 0, 0, 1] has mean 0.5 and std 0.577, so
 the advantages are [+0.866, -0.866, -0.866, +0.866].

@@ -9,46 +9,56 @@ One vLLM engine, side by side in each repetition (the order rotates):
   * `continuous`: rollout.continuous true (engine.run_continuous), a trajectory's next turn is
     queued as soon as its own tool call returns;
   * `pure`: the ceiling, vLLM generating exactly the policy tokens of those rollouts (same
-    prompts, each request `ignore_eos` for its trajectory's policy-token count), no tools.
+    prompts, each request `ignore_eos` for its trajectory's policy-token count), no tools;
+  * `pure+obs`: the same with each trajectory's observation tokens appended to its prompt: the
+    prefill a multi-turn rollout cannot avoid (its observations), in one piece, no tools.
 Rollout tokens/s counts policy tokens (loss_mask 1) over the whole loop's wall time, retrieval
-included. The report is the median of each and the ratios to `pure`; `records_identical` says
-whether the two schedules gave the same records (token ids, masks, logprobs within 1e-6).
+included. The report is the median of each and the ratios; `same_token_ids` says whether the
+two schedules gave the same token ids and masks, `max_logprob_gap` how far their logprobs
+differ (prefix-cached KV against recomputed KV: fp32 rounding).
 """
 
 import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import precision  # noqa: E402
-from config import load_config  # noqa: E402
+from config import config_to_dict, load_config  # noqa: E402
 from data import data_paths, ensure_policy, load_questions, make_search_fn  # noqa: E402
 from engine import load_tokenizer, make_engine  # noqa: E402
 from rollout import rollout_batch  # noqa: E402
 
 
-def pure_generation(engine, records: list[dict], seed: int) -> float:
-    """Seconds for vLLM to generate each record's policy-token count from its prompt, no tools."""
+def pure_generation(engine, records: list[dict], seed: int, with_observations: bool = False) -> float:
+    """Seconds for vLLM to generate each record's policy-token count from its prompt (and its
+    observation tokens, with_observations), no tools."""
     from vllm import SamplingParams, TokensPrompt
+
+    def prompt(r: dict) -> list[int]:
+        obs = [t for t, m in zip(r["response_ids"], r["loss_mask"]) if not m] if with_observations else []
+        return r["prompt_ids"] + obs
 
     params = [SamplingParams(max_tokens=max(1, sum(r["loss_mask"])), ignore_eos=True, logprobs=0, seed=seed + i)
               for i, r in enumerate(records)]  # fmt: skip
     t = time.perf_counter()
-    engine.llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in records], params, use_tqdm=False)
+    engine.llm.generate([TokensPrompt(prompt_token_ids=prompt(r)) for r in records], params, use_tqdm=False)
     return time.perf_counter() - t
 
 
-def same_records(a: list[dict], b: list[dict]) -> bool:
-    def close(x, y):
-        return len(x) == len(y) and all(abs(p - q) <= 1e-6 for p, q in zip(x, y))
-
-    same = lambda x, y: x["response_ids"] == y["response_ids"] and x["loss_mask"] == y["loss_mask"]  # noqa: E731
-    return len(a) == len(b) and all(same(x, y) and close(x["logprobs"], y["logprobs"]) for x, y in zip(a, b))
+def compare(a: list[dict], b: list[dict]) -> tuple[bool, float]:
+    """(same token ids and masks, the largest logprob difference) of two runs' records."""
+    same = all(x["response_ids"] == y["response_ids"] and x["loss_mask"] == y["loss_mask"] for x, y in zip(a, b))
+    gap = max((abs(p - q) for x, y in zip(a, b) for p, q in zip(x["logprobs"], y["logprobs"])), default=0.0)
+    return same and len(a) == len(b), gap
 
 
 def main() -> None:
@@ -61,27 +71,27 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.config)
     precision.resolve(cfg)
-    policy = ensure_policy(cfg, Path("runs/bench_tool_loop"))  # the cached start: SFT warm start or model.path
+    with tempfile.TemporaryDirectory() as tmp:  # ensure_policy builds from a run directory's config.yaml
+        (Path(tmp) / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        policy = ensure_policy(cfg, Path(tmp))  # the cached start: the tiny world's SFT, or model.path's warm start
     engine = make_engine("vllm", policy, cfg.rollout, cfg.model.dtype, seed=cfg.train.seed)  # before bm25s
     paths = data_paths(cfg)
     timings: dict[str, float] = {}
     search_fn = make_search_fn(cfg, paths["corpus"], timings)
     tok = load_tokenizer(policy)
     questions = load_questions(paths["val"])[: args.questions]
-    speeds: dict[str, list[float]] = {"turns": [], "continuous": [], "pure": []}
+    speeds: dict[str, list[float]] = {"turns": [], "continuous": [], "pure": [], "pure+obs": []}
     retrieve_share: dict[str, list[float]] = {"turns": [], "continuous": []}
-    identical, records = [], {}
+    same_ids, gaps, records = [], [], {}
     rollout_batch(engine, tok, questions[:4], 2, search_fn, cfg.rollout, seed=999)  # warm-up: compile, caches
     for rep in range(args.reps):
-        names = ["turns", "continuous", "pure"]
-        names = names[rep % 3 :] + names[: rep % 3]
-        if names[0] == "pure":
-            names = names[1:] + ["pure"]  # pure needs this rep's records
+        names = ["turns", "continuous"] if rep % 2 == 0 else ["continuous", "turns"]
+        names += ["pure", "pure+obs"] if rep % 2 == 0 else ["pure+obs", "pure"]  # they need this rep's records
         for name in names:
             engine.llm.reset_prefix_cache()  # no run reuses another's KV blocks
-            if name == "pure":
+            if name.startswith("pure"):
                 recs = records["continuous"]
-                dt = pure_generation(engine, recs, rep)
+                dt = pure_generation(engine, recs, rep, with_observations=name == "pure+obs")
             else:
                 timings.clear()
                 rcfg = replace(cfg.rollout, continuous=name == "continuous")
@@ -90,15 +100,21 @@ def main() -> None:
                 dt = time.perf_counter() - t
                 retrieve_share[name].append(timings.get("retrieve", 0.0) / dt)
             speeds[name].append(sum(sum(r["loss_mask"]) for r in recs) / dt)
-        identical.append(same_records(records["turns"], records["continuous"]))
+        same, gap = compare(records["turns"], records["continuous"])
+        same_ids.append(same)
+        gaps.append(gap)
     med = {k: statistics.median(v) for k, v in speeds.items()}
     report = {
         "config": args.config, "questions": args.questions, "group": args.group, "reps": args.reps,
         "policy_tokens_per_batch": sum(sum(r["loss_mask"]) for r in records["continuous"]),
         "tokens_per_s": med, "all": speeds,
         "continuous_over_pure": med["continuous"] / med["pure"], "turns_over_pure": med["turns"] / med["pure"],
+        "continuous_over_pure_obs": med["continuous"] / med["pure+obs"],
+        "turns_over_pure_obs": med["turns"] / med["pure+obs"],
+        "observation_tokens_per_batch": sum(len(r["loss_mask"]) - sum(r["loss_mask"]) for r in records["continuous"]),
         "retrieve_share": {k: statistics.median(v) for k, v in retrieve_share.items()},
-        "records_identical": identical, "machine": precision.machine(),
+        "same_token_ids": same_ids, "max_logprob_gap": max(gaps), "kv_block_size": cfg.rollout.kv_block_size,
+        "machine": precision.machine(),
     }  # fmt: skip
     print(json.dumps(report, indent=1))
     if args.out:
