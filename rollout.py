@@ -7,7 +7,9 @@ the token bookkeeping below are the same for all. Search-R1, the default:
 
     turn 1:  [prompt] -> policy writes "<think>..</think><search>Tavi Morek born</search>"
              (generation stops on the stop string `</search>`; vLLM never writes past it)
-             all active queries of the turn go to the retriever in ONE batched call
+             the queries of the trajectories that stopped together go to the retriever in
+             ONE batched call, and each trajectory's next turn is queued at once (continuous
+             batching, rollout.continuous; turn by turn otherwise)
              "\\n<information>Doc 1(Title: Tavi Morek) ...</information>\\n" is appended
     turn 2:  policy writes "<think>..</think><answer>Velor</answer>" -> stop on `</answer>`
     up to max_turns turns may search, and one more may only answer (Search-R1's run_llm_loop:

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/tiny.yaml", help="config whose policy, world and rollout to use")
     parser.add_argument("--questions", type=int, default=32, help="validation questions per batch")
     parser.add_argument("--group", type=int, default=8, help="rollouts per question")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions; each runs all three, in rotating order")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions; each runs all four, the order alternating")
     parser.add_argument("--out", default="", help="also write the JSON report to this file")
     args = parser.parse_args()
     cfg = load_config(args.config)
