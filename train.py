@@ -54,6 +54,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -78,11 +79,30 @@ from constraints import restore as restore_constraints
 from constraints import state as constraint_state
 from constraints import step as constraints_step
 from data import data_paths, ensure_policy, load_questions, make_search_fn
-from distributed import all_reduce, balanced_micro_batches, broadcast, clip_grad_norm, init, make_optimizer, my_share
+from distributed import (
+    all_reduce,
+    balanced_micro_batches,
+    barrier,
+    broadcast,
+    clip_grad_norm,
+    full_weights,
+    gather_lists,
+    init,
+    make_optimizer,
+    max_over_ranks,
+    my_share,
+    needs_reference,
+    shard,
+    shard_critic,
+    shard_reference,
+)
 from engine import load_policy, load_tokenizer, make_engine
+from eval import rollout_mode, summarize
 from judge import make_judge
+from lora import add_lora, load_lora, merged_weights
 from metrics import batch_metrics, paper_metrics
 from plan import print_plan
+from ppo import critic_optimizer, critic_update, critic_values, load_critic, ppo_advantages
 from precision import describe as describe_precision
 from rewards import BapoState, bapo_resample_groups, score
 from rollout import check_chat_template, rollout_batch
@@ -455,41 +475,112 @@ def rft_step(model, records: list[dict], optimizer, cfg: Config, pad_id: int, st
 # ---------------------------------------------------------------------------------------------
 
 
-def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
-    """The loop. With several processes (`accelerate launch --multi_gpu` / torchrun, train.fsdp),
-    every rank rolls out, scores and evaluates its share of the questions with its own engine,
-    every rank sees the whole batch, and takes its share of the update (FSDP)."""
-    from distributed import (
-        barrier,
-        full_weights,
-        gather_lists,
-        init,
-        max_over_ranks,
-        needs_reference,
-        shard,
-        shard_critic,
-        shard_reference,
-    )
-    from eval import rollout_mode, summarize
+@dataclass
+class RunParts:
+    """What a run holds from step to step: built once by `setup`, read by the stages below."""
 
+    cfg: Config
+    run: Path
+    rank: int
+    world: int
+    tp: int  # ranks per engine (rollout.tensor_parallel_size)
+    tokenizer: object
+    engine: object
+    search_fn: object
+    timings: dict
+    model: torch.nn.Module
+    ref: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    critic_opt: torch.optim.Optimizer | None
+    constraints: list
+    bapo: BapoState | None
+    judge: object
+    measure_judge: object
+    train_q: list[dict]
+    val_q: list[dict]
+    rng: random.Random
+    order: list[int] = field(default_factory=list)
+    step0: int = 0
+    trackers: list = field(default_factory=list)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
+    """The loop, one step per iteration: roll out, score, update, sync, log (and evaluate, save).
+    With several processes (`accelerate launch --multi_gpu` / torchrun, train.fsdp), every rank
+    rolls out, scores and evaluates its share of the questions with its own engine, every rank
+    sees the whole batch, and takes its share of the update (FSDP)."""
+    p = setup(cfg, run, resume_from)
+    ev = {}
+    if p.step0 == 0 and cfg.train.eval_every > 0:
+        ev = run_eval(p)
+        if p.main:
+            log(run, {"step": 0, "eval": ev})
+            track(p.trackers, {"step": 0, "eval": ev})
+            print(f"step 0 eval: {json.dumps(ev)}", flush=True)
+    bar = tqdm(range(p.step0, cfg.train.steps), desc=cfg.train.algo, initial=p.step0, total=cfg.train.steps,
+               disable=not p.main)  # fmt: skip
+    for step in bar:
+        p.timings.clear()
+        for group in p.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        switch_on(p.constraints, step, cfg.train.steps)
+        batch_idx, p.order = _next_batch(p.order, len(p.train_q), cfg.train.questions_per_step, p.rng)
+        t0 = time.time()
+        records, resampled = rollout_stage(p, [p.train_q[i] for i in batch_idx], step)  # 1. roll out
+        retrieve = p.timings.get("retrieve", 0.0)
+        times = {"generate": max_over_ranks(time.time() - t0 - retrieve, p.world),
+                 "retrieve": max_over_ranks(retrieve, p.world)}  # fmt: skip
+        t0 = time.time()
+        constraint_row = reward_stage(p, records)  # 2. rewards, constraint terms
+        times["reward"], t0 = time.time() - t0, time.time()
+        stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
+        times["train"], t0 = time.time() - t0, time.time()
+        sync_stage(p)  # 6. the new weights into the engine(s)
+        times["sync"] = max_over_ranks(time.time() - t0, p.world)
+        row = step_row(p, step, records, stats, constraint_row, times, resampled) if p.main else {}
+        if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+            ev = run_eval(p)  # every rank: each evaluates its share, all update the same state
+            after_eval(p, ev)
+            row["eval"] = ev
+        if p.main:
+            write_samples(run, step + 1, records[: cfg.train.samples_per_step])
+            log(run, row)
+            track(p.trackers, row)
+            bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
+        if (cfg.train.save_every > 0 and (step + 1) % cfg.train.save_every == 0) or step + 1 == cfg.train.steps:
+            save_stage(p, step)
+    close_trackers(p.trackers)
+    p.engine.close()
+    return ev
+
+
+def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
+    """Processes, data, engine, policy (LoRA, FSDP), reference, critic, optimizers, rewards'
+    state; then the checkpoint's state when resuming. Bad settings fail before anything slow."""
     rank, world, device = init()
-    main_proc = rank == 0
     if world > 1 and not cfg.train.fsdp:
         raise ConfigError(f"{world} processes need train.fsdp: true (there is no replicated data-parallel mode)")
     tp = cfg.rollout.tensor_parallel_size  # ranks per engine
     if world % tp:
         raise ConfigError(f"rollout.tensor_parallel_size {tp} must divide the number of processes ({world})")
+    lora_on = cfg.train.lora_rank > 0
+    if lora_on and world > 1:
+        raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(cfg.train.threads)
     constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
     if cfg.data.corpus or cfg.data.train:
         data_paths(cfg)  # given files: fail on a bad path before building anything
-    if main_proc:  # builds the tiny world once; the other ranks wait, then find it cached
+    if rank == 0:  # builds the tiny world once; the other ranks wait, then find it cached
         start_dir = resume_from or ensure_policy(cfg, run)
     barrier(world)
     start_dir = resume_from or ensure_policy(cfg, run)
     paths = data_paths(cfg)
-    train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])
     tokenizer = load_tokenizer(start_dir)
     check_chat_template(tokenizer, cfg.rollout, start_dir)  # before any engine starts
     timings: dict[str, float] = {}
@@ -502,15 +593,46 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     )  # before bm25s
     search_fn = make_search_fn(cfg, paths["corpus"], timings)
     torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
+    model, ref, critic = load_models(cfg, run, start_dir, resume_from, device, world)
+    trainable = [q for q in model.parameters() if q.requires_grad]  # all of them, or LoRA's adapters
+    optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
+    critic_opt = critic_optimizer(critic, cfg.train.critic_lr) if critic is not None else None
+    judge = make_judge(cfg.train.judge, cfg.train.judge_model, on_failure="zero") if cfg.train.judge else None
+    val_q = load_questions(paths["val"])
+    p = RunParts(
+        cfg, run, rank, world, tp, tokenizer, engine, search_fn, timings, model, ref, critic, optimizer, critic_opt,
+        constraints,
+        BapoState(patience=cfg.train.bapo_patience, min_delta=cfg.train.bapo_min_delta)
+        if "bapo" in cfg.train.reward else None,
+        judge,
+        # validation always measures faithfulness; on the tiny world the rule judge does it for any run
+        judge or (make_judge("rule") if not cfg.data.corpus else None),
+        load_questions(paths["train"]),
+        val_q[: cfg.eval.max_questions] if cfg.eval.max_questions else val_q,
+        random.Random(cfg.train.seed),  # the question order
+    )  # fmt: skip
+    if resume_from is not None:
+        state = load_trainer_state(resume_from, run, optimizer, rank, world)
+        if critic_opt is not None:
+            critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{rank}.pt"))
+        p.step0, p.order = state["step"], state["order"]
+        p.rng.setstate(state["data_rng"])
+        restore_constraints(constraints, state["constraints"])
+        if p.bapo is not None:
+            p.bapo.__dict__.update(state["bapo"])
+        print(f"resumed from {resume_from} at step {p.step0}", flush=True)
+    p.trackers = open_trackers(cfg, run, resumed=resume_from is not None) if rank == 0 else []
+    return p
+
+
+def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | None, device, world: int) -> tuple:
+    """(policy, frozen reference or None, critic or None), on this process's device, sharded
+    with FSDP when there are several processes."""
     lora_on = cfg.train.lora_rank > 0
-    if lora_on and world > 1:
-        raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
     # LoRA resume: the adapters sit on the ORIGINAL base; the checkpoint's model.safetensors is merged
     model = memory_savers(load_policy(ensure_policy(cfg, run) if lora_on and resume_from else start_dir).eval(), cfg)
     model = model.to(device)
     if lora_on:
-        from lora import add_lora, load_lora
-
         model = load_lora(model, resume_from) if resume_from else add_lora(
             model, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_dropout, cfg.train.lora_targets or None
         )  # fmt: skip
@@ -521,156 +643,128 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         ref = ref.to(device)
     if world > 1:
         model, ref = shard(model, cfg), shard_reference(ref, cfg)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
-    optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
-    critic = critic_opt = None
+    critic = None
     if cfg.train.algo == "ppo":
-        from ppo import critic_optimizer, load_critic
-
         critic = load_critic(resume_from if resume_from else start_dir).to(device)
         memory_savers(critic.backbone, cfg)
         if world > 1:
             critic = shard_critic(critic, cfg)
-        critic_opt = critic_optimizer(critic, cfg.train.critic_lr)
-    bapo = None
-    if "bapo" in cfg.train.reward:
-        bapo = BapoState(patience=cfg.train.bapo_patience, min_delta=cfg.train.bapo_min_delta)
-    judge = make_judge(cfg.train.judge, cfg.train.judge_model, on_failure="zero") if cfg.train.judge else None
-    # validation always measures faithfulness; on the tiny world the rule judge does it for any run
-    measure_judge = judge or (make_judge("rule") if not cfg.data.corpus else None)
-    rng = random.Random(cfg.train.seed)  # the question order
-    order: list[int] = []
-    step0 = 0
-    if resume_from is not None:
-        state = load_trainer_state(resume_from, run, optimizer, rank, world)
-        if critic_opt is not None:
-            critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{rank}.pt"))
-        step0, order = state["step"], state["order"]
-        rng.setstate(state["data_rng"])
-        restore_constraints(constraints, state["constraints"])
-        if bapo is not None:
-            bapo.__dict__.update(state["bapo"])
-        print(f"resumed from {resume_from} at step {step0}", flush=True)
-    val_subset = val_q[: cfg.eval.max_questions] if cfg.eval.max_questions else val_q
+    return model, ref, critic
 
-    def roll_out(qs: list[dict], seed: int) -> list[dict]:
-        """Each engine rolls out its block of qs (whole groups); every rank gets all the records,
-        in the order of qs, as one process would have them."""
-        mine = rollout_batch(engine, tokenizer, my_share(qs, rank // tp, world // tp), cfg.train.group_size, search_fn,
-                             cfg.rollout, seed=seed, group_prefix=cfg.data.name + ":")  # fmt: skip
-        return gather_lists(mine, world, every=tp)
 
-    def run_eval() -> dict:
-        """Greedy, one rollout per question, each engine its block; the metrics of them all."""
-        mine = rollout_mode("agentic", engine, tokenizer, my_share(val_subset, rank // tp, world // tp), search_fn, cfg)
-        val_records = gather_lists(mine, world, every=tp)
-        ev = summarize(val_records)  # EM-scored (rollout_mode)
-        score_shared(val_records, cfg.train.reward, reward_params(constraints, cfg.train.reward_params), judge,
-                     rank, world)  # fmt: skip
-        ev |= {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
-        return ev | broadcast(paper_metrics(val_records, measure_judge) if main_proc else None, world)
+def roll_out(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
+    """Each engine rolls out its block of qs (whole groups); every rank gets all the records, in
+    the order of qs, as one process would have them."""
+    mine = my_share(qs, p.rank // p.tp, p.world // p.tp)
+    records = rollout_batch(p.engine, p.tokenizer, mine, p.cfg.train.group_size, p.search_fn, p.cfg.rollout, seed=seed,
+                            group_prefix=p.cfg.data.name + ":")  # fmt: skip
+    return gather_lists(records, p.world, every=p.tp)
 
-    trackers = open_trackers(cfg, run, resumed=resume_from is not None) if main_proc else []
-    if step0 == 0 and cfg.train.eval_every > 0:
-        ev = run_eval()
-        if main_proc:
-            log(run, {"step": 0, "eval": ev})
-            track(trackers, {"step": 0, "eval": ev})
-            print(f"step 0 eval: {json.dumps(ev)}", flush=True)
-    bar = tqdm(range(step0, cfg.train.steps), desc=cfg.train.algo, initial=step0, total=cfg.train.steps,
-               disable=not main_proc)  # fmt: skip
-    ev = {}
-    for step in bar:
-        timings.clear()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        switch_on(constraints, step, cfg.train.steps)
-        batch_idx, order = _next_batch(order, len(train_q), cfg.train.questions_per_step, rng)
-        questions = [train_q[i] for i in batch_idx]
-        t0 = time.time()
-        resampled, t_generate, t_reward = 0, 0.0, 0.0
-        constraint_row: dict = {}
-        records = roll_out(questions, cfg.train.seed * 100003 + step)
-        if cfg.train.resample_groups > 0:
-            records, resampled = resample_marked_groups(records, questions, roll_out, cfg, step,
-                                                        bapo.stage if bapo else "plateau")  # fmt: skip
-        engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
-        t_retrieve = max_over_ranks(timings.get("retrieve", 0.0), world)
-        t_generate = max_over_ranks(time.time() - t0 - timings.get("retrieve", 0.0), world)
-        t0 = time.time()
-        params = reward_params(constraints, cfg.train.reward_params)
-        if bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
-            params |= {"stage": bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
-        score_shared(records, cfg.train.reward, params, judge, rank, world)
-        constraint_row = constraints_step(constraints, records)  # U, then the terms, then the dual update
-        if cfg.train.kl_in_reward and ref is not None and cfg.train.algo == "grpo":
-            for r, kl in zip(records, kl_penalties(ref, records, cfg, tokenizer.pad_token_id)):
-                r["kl_penalty"] = kl
-                r["reward"] -= cfg.train.kl_coef * kl
-        t_reward += time.time() - t0
-        t0 = time.time()
-        if cfg.train.algo == "rft":
-            kept = rft_select(records, cfg.train.rft_accept)
-            stats = rft_step(model, kept, optimizer, cfg, tokenizer.pad_token_id, step) if kept else {}
-            stats["rft_kept"] = len(kept) / len(records)
-        elif cfg.train.algo == "ppo":
-            stats = ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg, tokenizer.pad_token_id, step,
-                               rank, world)  # fmt: skip
-        else:
-            advantages = group_advantages(
-                [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
-            )
-            for r, a in zip(records, advantages):
-                r["advantage"] = a
-            warn_if_no_signal(advantages, records, step, main_proc)
-            stats = grpo_step(model, ref, records, optimizer, cfg, tokenizer.pad_token_id, step, rank, world)
-            stats["adv_nonzero_frac"] = sum(a != 0 for a in advantages) / len(advantages)
-        t_train = time.time() - t0
-        t0 = time.time()
-        if lora_on:  # base names, adapters merged into fresh tensors: the policy is never touched
-            from lora import merged_weights
 
-            weights = merged_weights(model)
-        else:  # several processes: each gathers the full tensors, one at a time, into its own engine
-            weights = full_weights(model, rank, every_rank=True) if world > 1 else model.state_dict().items()
-        engine.load_weights(weights)
-        t_sync = max_over_ranks(time.time() - t0, world)
-        if main_proc:
-            gen_tokens = sum(sum(r["loss_mask"]) for r in records)
-            row = {"step": step + 1} | batch_metrics(records) | stats | constraint_row | {
-                "lr": lr_at(step, cfg),
-                "tokens_per_s": gen_tokens / max(t_generate, 1e-9),
-                "time": {"generate": t_generate, "retrieve": t_retrieve,
-                         "reward": t_reward, "train": t_train, "sync": t_sync},
-            }  # fmt: skip
-            if cfg.train.resample_groups > 0:
-                row["resampled_groups"] = resampled
-            if bapo is not None:
-                row |= {"bapo_stage": bapo.stage, f"idk_rate/{bapo.stage}": row["idk_rate"]}
-            write_samples(run, step + 1, records[: cfg.train.samples_per_step])
-        if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
-            ev = run_eval()  # every rank: each evaluates its share, all update the same state
-            for c in constraints:
-                if c.measure == "val":
-                    dual_update(c, float(ev.get(c.stat, ev.get(c.stat.removeprefix("reward/"), 0.0))))
-            if bapo is not None:
-                bapo.update(ev["em"])  # the validation score whose plateau switches the stage
-            if main_proc:
-                row["eval"] = ev
-        if main_proc:
-            log(run, row)
-            track(trackers, row)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
-        if (cfg.train.save_every > 0 and (step + 1) % cfg.train.save_every == 0) or step + 1 == cfg.train.steps:
-            trainer_state = {
-                "order": order, "data_rng": rng.getstate(), "constraints": constraint_state(constraints),
-                "bapo": vars(bapo) if bapo else None,
-            }  # fmt: skip
-            save_checkpoint(run, step + 1, model, tokenizer, optimizer, trainer_state, cfg.train.keep_checkpoints,
-                            critic, rank, world, critic_opt)  # fmt: skip
-    close_trackers(trackers)
-    engine.close()
-    return ev
+def rollout_stage(p: RunParts, questions: list[dict], step: int) -> tuple[list[dict], int]:
+    """1. G rollouts per question (and BAPO's resampled groups): (records, groups resampled)."""
+    cfg = p.cfg
+    records = roll_out(p, questions, cfg.train.seed * 100003 + step)
+    resampled = 0
+    if cfg.train.resample_groups > 0:
+        records, resampled = resample_marked_groups(records, questions, lambda qs, seed: roll_out(p, qs, seed), cfg,
+                                                    step, p.bapo.stage if p.bapo else "plateau")  # fmt: skip
+    p.engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
+    return records, resampled
+
+
+def reward_stage(p: RunParts, records: list[dict]) -> dict:
+    """2. Rewards (each rank its groups), then the constraints' U, terms and dual update, then
+    the KL penalty when it is part of the reward. Returns the constraints' metrics."""
+    cfg = p.cfg
+    params = reward_params(p.constraints, cfg.train.reward_params)
+    if p.bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
+        params |= {"stage": p.bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
+    score_shared(records, cfg.train.reward, params, p.judge, p.rank, p.world)
+    constraint_row = constraints_step(p.constraints, records)  # U, then the terms, then the dual update
+    if cfg.train.kl_in_reward and p.ref is not None and cfg.train.algo == "grpo":
+        for r, kl in zip(records, kl_penalties(p.ref, records, cfg, p.tokenizer.pad_token_id)):
+            r["kl_penalty"] = kl
+            r["reward"] -= cfg.train.kl_coef * kl
+    return constraint_row
+
+
+def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
+    """3-5. The algorithm's update: GRPO (group advantages, grpo_step), PPO (critic, GAE,
+    ppo_update) or RFT (accepted rollouts, rft_step). Returns its statistics."""
+    cfg, pad_id = p.cfg, p.tokenizer.pad_token_id
+    if cfg.train.algo == "rft":
+        kept = rft_select(records, cfg.train.rft_accept)
+        stats = rft_step(p.model, kept, p.optimizer, cfg, pad_id, step) if kept else {}
+        return stats | {"rft_kept": len(kept) / len(records)}
+    if cfg.train.algo == "ppo":
+        return ppo_update(p.model, p.ref, p.critic, records, p.optimizer, p.critic_opt, cfg, pad_id, step, p.rank,
+                          p.world)  # fmt: skip
+    advantages = group_advantages(
+        [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
+    )
+    for r, a in zip(records, advantages):
+        r["advantage"] = a
+    warn_if_no_signal(advantages, records, step, p.main)
+    stats = grpo_step(p.model, p.ref, records, p.optimizer, cfg, pad_id, step, p.rank, p.world)
+    return stats | {"adv_nonzero_frac": sum(a != 0 for a in advantages) / len(advantages)}
+
+
+def sync_stage(p: RunParts) -> None:
+    """6. The new weights into the engine: LoRA's merged into fresh tensors (the policy is never
+    touched); several processes: each gathers the full tensors, one at a time, into its own engine."""
+    if p.cfg.train.lora_rank > 0:
+        weights = merged_weights(p.model)
+    else:
+        weights = full_weights(p.model, p.rank, every_rank=True) if p.world > 1 else p.model.state_dict().items()
+    p.engine.load_weights(weights)
+
+
+def step_row(p: RunParts, step: int, records: list[dict], stats: dict, constraint_row: dict, times: dict,
+             resampled: int) -> dict:  # fmt: skip
+    """The step's line of metrics.jsonl."""
+    gen_tokens = sum(sum(r["loss_mask"]) for r in records)
+    row = {"step": step + 1} | batch_metrics(records) | stats | constraint_row | {
+        "lr": lr_at(step, p.cfg),
+        "tokens_per_s": gen_tokens / max(times["generate"], 1e-9),
+        "time": times,
+    }  # fmt: skip
+    if p.cfg.train.resample_groups > 0:
+        row["resampled_groups"] = resampled
+    if p.bapo is not None:
+        row |= {"bapo_stage": p.bapo.stage, f"idk_rate/{p.bapo.stage}": row["idk_rate"]}
+    return row
+
+
+def run_eval(p: RunParts) -> dict:
+    """Greedy, one rollout per question, each engine its block; the metrics of them all."""
+    mine = rollout_mode("agentic", p.engine, p.tokenizer, my_share(p.val_q, p.rank // p.tp, p.world // p.tp),
+                        p.search_fn, p.cfg)  # fmt: skip
+    val_records = gather_lists(mine, p.world, every=p.tp)
+    ev = summarize(val_records)  # EM-scored (rollout_mode)
+    score_shared(val_records, p.cfg.train.reward, reward_params(p.constraints, p.cfg.train.reward_params), p.judge,
+                 p.rank, p.world)  # fmt: skip
+    ev |= {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
+    return ev | broadcast(paper_metrics(val_records, p.measure_judge) if p.main else None, p.world)
+
+
+def after_eval(p: RunParts, ev: dict) -> None:
+    """Validation-measured constraints take their dual step; BAPO's stage may switch."""
+    for c in p.constraints:
+        if c.measure == "val":
+            dual_update(c, float(ev.get(c.stat, ev.get(c.stat.removeprefix("reward/"), 0.0))))
+    if p.bapo is not None:
+        p.bapo.update(ev["em"])  # the validation score whose plateau switches the stage
+
+
+def save_stage(p: RunParts, step: int) -> None:
+    """A checkpoint after step: weights, optimizer(s), data order and RNG, lambda, BAPO stage."""
+    trainer_state = {
+        "order": p.order, "data_rng": p.rng.getstate(), "constraints": constraint_state(p.constraints),
+        "bapo": vars(p.bapo) if p.bapo else None,
+    }  # fmt: skip
+    save_checkpoint(p.run, step + 1, p.model, p.tokenizer, p.optimizer, trainer_state, p.cfg.train.keep_checkpoints,
+                    p.critic, p.rank, p.world, p.critic_opt)  # fmt: skip
 
 
 def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, pad_id: int, step: int,
@@ -679,8 +773,6 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
     minus kl_coef x k1 KL to the reference on every policy token when kl_in_reward), GAE over
     policy tokens with the critic's values, whitened advantages; then the clipped policy step
     and as many critic steps on the returns, on the same mini-batches (ppo.critic_update)."""
-    from ppo import critic_update, critic_values, ppo_advantages
-
     tcfg = cfg.train
     values = critic_values(critic, records, tcfg.micro_batch_tokens, pad_id)
     kls = kl_per_position(ref, records, cfg, pad_id) if tcfg.kl_in_reward and ref is not None else None
