@@ -6,7 +6,8 @@
     python train.py --config configs/tiny_ppo.yaml             # PPO; also tiny_lagrangian.yaml
     python train.py --config X --plan                          # per-GPU memory plan, no model loaded
 
-One step, top to bottom (each line is a function below):
+One step, top to bottom: `train()` calls one function per stage (rollout_stage, reward_stage,
+update_stage with grpo_step / ppo_update / rft_step, sync_stage, then run_eval and save_stage):
 
   1. rollout   G trajectories per question with the current policy (rollout.py), searching
                the corpus mid-thought; records keep token ids, loss mask and sampling logprobs
@@ -581,6 +582,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     barrier(world)
     start_dir = resume_from or ensure_policy(cfg, run)
     paths = data_paths(cfg)
+    train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])  # a bad line fails before any model
     tokenizer = load_tokenizer(start_dir)
     check_chat_template(tokenizer, cfg.rollout, start_dir)  # before any engine starts
     timings: dict[str, float] = {}
@@ -598,7 +600,6 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     critic_opt = critic_optimizer(critic, cfg.train.critic_lr) if critic is not None else None
     judge = make_judge(cfg.train.judge, cfg.train.judge_model, on_failure="zero") if cfg.train.judge else None
-    val_q = load_questions(paths["val"])
     p = RunParts(
         cfg, run, rank, world, tp, tokenizer, engine, search_fn, timings, model, ref, critic, optimizer, critic_opt,
         constraints,
@@ -607,7 +608,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         judge,
         # validation always measures faithfulness; on the tiny world the rule judge does it for any run
         judge or (make_judge("rule") if not cfg.data.corpus else None),
-        load_questions(paths["train"]),
+        train_q,
         val_q[: cfg.eval.max_questions] if cfg.eval.max_questions else val_q,
         random.Random(cfg.train.seed),  # the question order
     )  # fmt: skip
