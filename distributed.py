@@ -84,15 +84,6 @@ def gather_lists(items: list, world: int, every: int = 1) -> list:
     return [x for k, box in enumerate(boxes) if k % every == 0 for x in box]
 
 
-def max_over_ranks(x: float, world: int) -> float:
-    """The largest value of x over the ranks (a wall time: the step waits for the slowest rank)."""
-    if world == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def is_main(rank: int) -> bool:
     return rank == 0
 

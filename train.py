@@ -59,7 +59,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from answers import parsed
@@ -90,7 +89,6 @@ from distributed import (
     gather_lists,
     init,
     make_optimizer,
-    max_over_ranks,
     my_share,
     needs_reference,
     shard,
@@ -442,12 +440,16 @@ def score_shared(records: list[dict], spec: str, params: dict, judge, rank: int,
     score(mine, spec, params, judge)
     if world == 1:
         return
-    boxes: list = [None] * world
-    dist.all_gather_object(boxes, [(r["reward"], r["reward_components"]) for r in mine])
-    results = [iter(box) for box in boxes]
-    for r in records:
-        r["reward"], r["reward_components"] = next(results[owner[str(r["group_id"])]])
-        r.pop("_parsed", None)  # the parse cache (answers.parsed) is rebuilt from the record alone
+    index = {id(r): i for i, r in enumerate(records)}  # every rank holds the same records, in the same order
+    for i, reward, components in gather_lists([(index[id(r)], r["reward"], r["reward_components"]) for r in mine],
+                                              world):  # fmt: skip
+        records[i]["reward"], records[i]["reward_components"] = reward, components
+        records[i].pop("_parsed", None)  # the parse cache (answers.parsed) is rebuilt from the record alone
+
+
+def slowest(seconds: float, world: int) -> float:
+    """A stage's wall time over the processes: the step waits for the slowest rank."""
+    return float(all_reduce(torch.tensor([seconds], dtype=torch.float64), world, "max"))
 
 
 def rft_select(records: list[dict], accept: float) -> list[dict]:
@@ -534,15 +536,15 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         t0 = time.time()
         records, resampled = rollout_stage(p, [p.train_q[i] for i in batch_idx], step)  # 1. roll out
         retrieve = p.timings.get("retrieve", 0.0)
-        times = {"generate": max_over_ranks(time.time() - t0 - retrieve, p.world),
-                 "retrieve": max_over_ranks(retrieve, p.world)}  # fmt: skip
+        times = {"generate": slowest(time.time() - t0 - retrieve, p.world),
+                 "retrieve": slowest(retrieve, p.world)}  # fmt: skip
         t0 = time.time()
         constraint_row = reward_stage(p, records)  # 2. rewards, constraint terms
         times["reward"], t0 = time.time() - t0, time.time()
         stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
         times["train"], t0 = time.time() - t0, time.time()
         sync_stage(p)  # 6. the new weights into the engine(s)
-        times["sync"] = max_over_ranks(time.time() - t0, p.world)
+        times["sync"] = slowest(time.time() - t0, p.world)
         row = step_row(p, step, records, stats, constraint_row, times, resampled) if p.main else {}
         if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
             ev = run_eval(p)  # every rank: each evaluates its share, all update the same state
