@@ -4,8 +4,8 @@
     python eval.py --config configs/tiny.yaml --split test --modes direct rag agentic \
         --model sft=cache/tiny-X/policy --model grpo=runs/tiny-X/checkpoints/step_30
     python eval.py --config C --datasets data/nq.jsonl data/hotpotqa_test.parquet --out runs/eval-nq
-    python eval.py curves runs/tiny-X        # PNG training curves of a run (plots.py)
-    python eval.py reproduce --world tiny    # train + evaluate the tiny world -> results/tiny.md
+    python eval.py curves runs/tiny-X        # PNG training curves of a run (report/plots.py)
+    python eval.py view runs/eval-X/rollouts/grpo_agentic__test.jsonl -o view.html   # report/viewer.py
 
 Modes (the baselines of Search-R1 Table 2 / BAPO Table 1, on the same questions):
   direct    answer at once, no retrieval: the response is forced to start with "<answer>"
@@ -34,11 +34,19 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from answers import parsed
-from config import Config, ConfigError, DataError, load_config
-from precision import describe as describe_precision
+from agent.answers import parsed
+from agent.judge import make_judge
+from report.metrics import compute_metrics, rejection_success_rate
+from report.plots import main as curves_main
+from report.viewer import main as viewer_main
+from report.viewer import write_viewer
 from rewards import score, source_restricting
-from rollout import check_chat_template, rollout_batch
+from rollout import check_chat_template, render_prompt, rollout_batch
+from search.tools import make_search_fn
+from trainer.config import Config, ConfigError, DataError, load_config
+from trainer.data import data_paths, load_questions, starting_policy
+from trainer.engine import load_policy, load_tokenizer, make_engine
+from trainer.precision import describe as describe_precision
 
 MODES = ("direct", "cot", "rag", "agentic", "reliable")
 SEARCH_OFF = "Search is not available in this mode. Answer from what you know."
@@ -115,8 +123,6 @@ def rollout_mode(mode: str, engine, tokenizer, questions: list[dict], search_fn,
     elif mode == "reliable":
         from dataclasses import replace
 
-        from rollout import render_prompt
-
         rcfg = replace(
             rcfg, prompt_template=render_prompt("{question}", rcfg.prompt_template).rstrip("\n") + RELIABLE_SUFFIX
         )
@@ -145,7 +151,6 @@ def markdown(header: list[str], body: list[list]) -> str:
 
 def write_outputs(out: Path, rows: dict, columns: list[str], records: dict, tokenizer=None) -> None:
     """results.md / .csv / .json, rollouts/<row>__<dataset>.jsonl and viewer.html under `out`."""
-    from viewer import write_viewer
 
     out.mkdir(parents=True, exist_ok=True)
     header, body = table(rows, columns)
@@ -168,9 +173,6 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
     between models; writes the tables under `out` and returns rows[row name][dataset].
     judge: adds judge_acc (and judges correctness); reference_row: the row whose rollouts every
     other row's "I don't know" answers are held against (BAPO's rejection success rate)."""
-    from data import load_questions, make_search_fn
-    from engine import load_policy, load_tokenizer, make_engine
-    from metrics import compute_metrics, rejection_success_rate
 
     questions = {}
     for path in datasets:
@@ -221,21 +223,15 @@ def _shapes(model_dir: Path) -> dict:
 
 
 def _corpus(cfg: Config) -> Path:
-    from data import data_paths
-
     return data_paths(cfg)["corpus"]
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["curves"]:  # python eval.py curves RUN_DIR: training curves as PNGs (plots.py)
-        from plots import main as curves_main
-
+    if argv[:1] == ["curves"]:  # python eval.py curves RUN_DIR: training curves as PNGs (report/plots.py)
         return curves_main(argv[1:])
-    if argv[:1] == ["reproduce"]:  # python eval.py reproduce --world tiny (reproduce.py)
-        from reproduce import main as reproduce_main
-
-        return reproduce_main(argv[1:])
+    if argv[:1] == ["view"]:  # python eval.py view ROLLOUTS.jsonl -o view.html (report/viewer.py)
+        return viewer_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config: the retriever, rollout engine and default data")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
@@ -282,30 +278,22 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"model directory not found (no config.json): {path}")
         models.append((label or Path(path).name, Path(path)))
     if not models:
-        from world import world_dir
-
-        models = [("", Path(cfg.model.path) if cfg.model.path else world_dir(cfg) / "policy")]
+        models = [("", starting_policy(cfg))]
         if not (models[0][1] / "config.json").is_file():
             parser.error(f"no model at {models[0][1]}: pass --model, set model.path, or build the tiny world "
-                         "(python world.py --config ...)")  # fmt: skip
+                         "(python -m tiny.sft --config ...)")  # fmt: skip
     try:
         if args.datasets:
             datasets = [Path(d) for d in args.datasets]
         else:
-            from data import data_paths
-
             datasets = [data_paths(cfg)[args.split or cfg.eval.split]]
         for d in datasets:
-            from data import load_questions
-
             load_questions(d)  # a bad dataset fails before any engine starts
     except (DataError, FileNotFoundError, KeyError) as e:
         parser.error(str(e))
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     judge = None
     if args.judge_url:
-        from judge import make_judge
-
         judge = make_judge(args.judge_url, args.judge_model)
     spec = [(label, path, args.modes) for label, path in models]
     try:

@@ -23,86 +23,26 @@ retrieved tokens too changes the outcome (reported whichever way it falls).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from precision import machine
+from eval import run_eval
+from report.plots import main as plots_main
+from report.plots import read_series
+from tiny.papers import main as papers_main
+from tiny.report import ROOT, finish_report, last_checkpoint, mean_spread, train_runs
+from tiny.world import world_dir
+from trainer.config import ConfigError, load_config
+from trainer.precision import machine
 
-ROOT = Path(__file__).resolve().parent
 VARIANTS = {  # name -> extra overrides of the training config
     "GRPO with search": [],
     "GRPO, no retrieved-token mask": ["train.mask_retrieved=false"],
 }
 KEYS = ("em", "em_1hop", "em_2hop", "f1", "searches_2hop")
-
-
-def train_runs(jobs: list[tuple], parallel: int, sets: list[str], run_dir: Path) -> dict:
-    """Every job (key, run name, config, overrides) as its own train.py process, `parallel` at
-    a time. Returns {key: {"run": path, "minutes": m}}."""
-    from config import load_config
-
-    jobs = list(jobs)
-    threads = 1 if parallel > 1 else 2
-    # vLLM CPU reserves host RAM from gpu_memory_utilization; two runs at 0.3 run out of 24 GB
-    memory = ["rollout.gpu_memory_utilization=0.1"] if parallel > 1 else []
-    running: dict = {}
-    done: dict = {}
-    while jobs or running:
-        while jobs and len(running) < parallel:
-            key, name, config, extra = jobs.pop(0)
-            overrides = [f"train.name={name}", f"train.threads={threads}", f"train.run_dir={run_dir}", *memory,
-                         *extra, *sets]  # fmt: skip
-            cmd = [sys.executable, "train.py", "--config", config, *sum((["--set", o] for o in overrides), [])]
-            earlier = sorted(run_dir.glob(f"{name}-*/checkpoints/step_*"), key=lambda p: int(p.name.split("_")[1]))
-            if earlier:  # the same --run-dir again: keep finished runs, resume killed ones
-                steps = load_config(config, [*extra, *sets]).train.steps
-                if int(earlier[-1].name.split("_")[1]) >= steps:
-                    run = earlier[-1].parents[1]
-                    wall = float((run / "wall_minutes.txt").read_text()) if (run / "wall_minutes.txt").exists() else 0.0
-                    done[key] = {"run": run, "minutes": wall, "earlier": True}
-                    print(f"  {name}: finished earlier ({run})", flush=True)
-                    continue
-                cmd = [sys.executable, "train.py", "--resume", str(earlier[-1].parents[1]),
-                       *sum((["--set", o] for o in (f"train.threads={threads}", *memory)), [])]  # fmt: skip
-            env = os.environ | {"OMP_NUM_THREADS": str(threads)}
-            log = open(run_dir / f"{name}.log", "w")
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-            running[key] = (proc, time.time(), name, log)
-            print(f"  started {name}", flush=True)
-        time.sleep(2)
-        for key, (proc, t0, name, log) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            log.close()
-            del running[key]
-            if proc.returncode != 0:
-                for other, *_ in running.values():
-                    other.kill()
-                tail = (run_dir / f"{name}.log").read_text()[-3000:]
-                raise RuntimeError(f"training run {name} failed (log {run_dir / (name + '.log')}):\n{tail}")
-            run = max(run_dir.glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
-            done[key] = {"run": run, "minutes": (time.time() - t0) / 60}
-            (run / "wall_minutes.txt").write_text(f"{done[key]['minutes']:.2f}")  # kept when a rerun reuses it
-            print(f"  finished {name} in {done[key]['minutes']:.1f} min", flush=True)
-    return done
-
-
-def last_checkpoint(run: Path) -> Path:
-    ckpts = sorted((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    if not ckpts:
-        raise FileNotFoundError(f"no checkpoint in {run / 'checkpoints'}")
-    return ckpts[-1]
-
-
-def mean_spread(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {max(values) - min(values):.3f}"
 
 
 def results_table(rows: dict, seeds: list[int]) -> str:
@@ -125,9 +65,6 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from plots import main as plots_main
-    from plots import read_series
 
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, len(VARIANTS), figsize=(5 * len(VARIANTS), 3.5), sharey=True)
@@ -180,11 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     world = argparse.ArgumentParser(add_help=False)
     world.add_argument("--world", default="tiny")
     if world.parse_known_args(argv)[0].world == "papers":  # its own options and --help (tiny_papers.py)
-        from tiny_papers import main as papers_main
 
         return papers_main(argv)
     args = parser.parse_args(argv)
-    from config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.set)  # a bad config or override fails here, before any work
@@ -196,8 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     timings = {}
     print("1/4 tiny world and SFT warm start (cached after the first time) ...", flush=True)
     t0 = time.time()
-    subprocess.run([sys.executable, "world.py", "--config", args.config, *sum((["--set", s] for s in args.set), [])],
-                   cwd=ROOT, check=True)  # fmt: skip
+    sets = sum((["--set", s] for s in args.set), [])
+    subprocess.run([sys.executable, "-m", "tiny.sft", "--config", args.config, *sets], cwd=ROOT, check=True)
     timings["world + SFT start"] = time.time() - t0
     print(f"2/4 training {len(VARIANTS) * len(args.seeds)} runs, {args.parallel} at a time ...", flush=True)
     t0 = time.time()
@@ -207,8 +142,6 @@ def main(argv: list[str] | None = None) -> None:
     timings["training"] = time.time() - t0
     print("3/4 evaluating on the held-out test questions ...", flush=True)
     t0 = time.time()
-    from eval import run_eval
-    from world import world_dir
 
     sft = world_dir(cfg) / "policy"
     spec = [("direct (SFT policy)", sft, ["direct"]), ("naive RAG (SFT policy)", sft, ["rag"]),
@@ -259,15 +192,6 @@ def write_report(out: Path, args, rows, done, timings, curves, run_dir: Path, te
         "",
     ]
     finish_report(out, lines, curves, run_dir, run_dir / "reproduce.json", {"timings": timings, "rows": rows})
-
-
-def finish_report(out: Path, lines: list[str], curves: list[Path], run_dir: Path, data_path: Path, data: dict) -> None:
-    """Append the curves and where the runs are, write the markdown, and the numbers as JSON."""
-    lines = lines + [f"![{p.stem}](curves/{p.name})" for p in curves]
-    lines += ["", f"Runs, logs, rollouts and the trajectory viewer: `{run_dir}` (not committed).", ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    data_path.write_text(json.dumps(data, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -39,11 +39,10 @@ import argparse
 import importlib
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass
 
-from answers import (
+from agent.answers import (
     ACTIONS,
     OBSERVATIONS,
     char_f1,
@@ -53,7 +52,9 @@ from answers import (
     normalize_answer,
     parsed,
     substring_match,
-)  # fmt: skip
+)
+from agent.judge import make_judge
+from search.web import SOURCE_OPERATORS
 
 # --------------------------------------------------------------------------------------------
 # Components (each one a reward on its own) and the papers' rewards.
@@ -156,11 +157,6 @@ def deliberative(record: dict, lam: float = 0.0, zeta: float = 5, acc_metric: st
     final = r_format * (0.1 * r_format + 0.9 * r_acc + lam * r_rel)
     return {"format": r_format, "acc": r_acc, "reliability": r_rel, "confidence": float(p.confidence or 0),
             "lambda": lam, "reward": final}  # fmt: skip
-
-
-# WebFilter R_src (eq. 2-4): the advanced operators, matched on the raw query, case-sensitive:
-# AND / OR / NOT only in upper case (a lower-cased "and" is a word), `-term` only at a word start.
-SOURCE_OPERATORS = re.compile(r'(?:^|\s)-?(?:site|before|after):\S|"[^"]+"|\b(?:AND|OR|NOT)\b|(?:^|\s)-\w')
 
 
 def source_restricting(record: dict, **_) -> dict:
@@ -515,8 +511,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     judge = None
     if args.judge_url or args.judge_hf:
-        from judge import make_judge
-
         judge = make_judge(
             url=args.judge_url, model=args.judge_model, hf=args.judge_hf, on_failure=args.judge_on_failure
         )

@@ -46,11 +46,11 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import protocols
-from answers import last_block, parse_response, split_segments
-from config import ConfigError, RolloutConfig
-from engine import Completion, Request
-from protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text
+from agent import protocols
+from agent.answers import last_block, parse_response, split_segments
+from agent.protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text
+from trainer.config import ConfigError, RolloutConfig
+from trainer.engine import Completion, Request
 
 TAGS = [
     "<think>", "</think>", "<search>", "</search>",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import load_config  # noqa: E402
+from trainer.config import load_config  # noqa: E402
 
 
 def main() -> None:
@@ -27,10 +27,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions per engine")
     args = parser.parse_args()
     cfg = load_config(args.config)
-    from data import data_paths, load_questions, make_search_fn
-    from engine import load_tokenizer, make_engine
     from rollout import rollout_batch
-    from world import world_dir
+    from search.tools import make_search_fn
+    from tiny.world import world_dir
+    from trainer.data import data_paths, load_questions
+    from trainer.engine import load_tokenizer, make_engine
 
     policy = Path(cfg.model.path) if cfg.model.path else world_dir(cfg) / "policy"
     engines = {"vllm": make_engine("vllm", policy, cfg.rollout), "hf": make_engine("hf", policy, cfg.rollout)}

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import precision  # noqa: E402
-from checkpoint import new_run_dir  # noqa: E402
-from config import load_config  # noqa: E402
 from train import train  # noqa: E402
+from trainer import precision  # noqa: E402
+from trainer.checkpoint import new_run_dir  # noqa: E402
+from trainer.config import load_config  # noqa: E402
 
 
 def main() -> None:

@@ -154,7 +154,7 @@ def ensure_model() -> Path:
 def fake_records(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
     """n scored rollouts of `length` tokens: a 64-token prompt, then policy runs of 96 tokens
     and retrieved runs of 64 (loss mask 0) alternating; one GRPO group, rewards half 1."""
-    from train import group_advantages
+    from trainer.grpo import group_advantages
 
     rng = random.Random(seed)
     prompt_len = min(64, length // 8)
@@ -174,7 +174,7 @@ def fake_records(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
 
 def step_config(optimizer: str = "adamw", grad_ckpt: bool = False, bf16: bool = False):
     """The project's defaults with the three knobs this benchmark turns."""
-    from config import Config
+    from trainer.config import Config
 
     cfg = Config()
     cfg.train.optimizer, cfg.train.grad_checkpointing, cfg.train.bf16 = optimizer, grad_ckpt, bf16
@@ -206,8 +206,9 @@ def load_average() -> str:
 
 def rss_child(name: str, steps: int, n_seqs: int, seq_len: int) -> dict:
     """Runs in the subprocess: load, `steps` grpo_steps, report memory and times."""
-    from engine import load_policy
-    from train import grpo_step, make_optimizer, memory_savers
+    from train import make_optimizer
+    from trainer.engine import load_policy
+    from trainer.grpo import grpo_step, memory_savers
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
@@ -341,7 +342,7 @@ def greedy_batches(lengths: list[int], budget: int) -> list[list[int]]:
 def run_padding(step_size: int, budgets: list[int], seed: int = 0) -> list[dict]:
     """Shuffle the lengths into simulated steps of `step_size` rollouts; per step, batch with
     the token budget (as train.py) and naively (fixed size = the budget batches' mean size)."""
-    from sft import token_budget_batches
+    from trainer.batching import token_budget_batches
 
     lengths, source = rollout_lengths()
     rng = random.Random(seed)
@@ -424,8 +425,9 @@ def step_flops(model, n_seqs: int, seq_len: int) -> tuple[float, float]:
 
 def run_flops(reps: int, n_seqs: int, seq_len: int) -> dict:
     """Alternate matmul bf16/fp32 and grpo_step bf16/fp32 in one process; median of reps."""
-    from engine import load_policy
-    from train import grpo_step, make_optimizer
+    from train import make_optimizer
+    from trainer.engine import load_policy
+    from trainer.grpo import grpo_step
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)

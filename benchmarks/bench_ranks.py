@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import precision  # noqa: E402
+from trainer import precision  # noqa: E402
 
 
 def run(name: str, launcher: list[str], config: str, overrides: list[str], tmp: Path) -> dict:

@@ -31,8 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from config import WorldConfig, load_config  # noqa: E402
-from retriever import (  # noqa: E402
+from search.index import (  # noqa: E402
     bm25_tokenize,
     build_index,
     encode,
@@ -40,8 +39,9 @@ from retriever import (  # noqa: E402
     load_index,
     search,
     search_rows,
-)  # fmt: skip
-from world import generate_world, write_jsonl  # noqa: E402
+)
+from tiny.world import generate_world, write_jsonl  # noqa: E402
+from trainer.config import WorldConfig, load_config  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:
@@ -102,7 +102,7 @@ def server_load(index_dir: Path, queries: list[str], clients: int, per_request: 
             break
         except OSError:
             time.sleep(0.2)
-    from server import http_retrieve
+    from search.server import http_retrieve
 
     requests = [queries[i : i + per_request] for i in range(0, len(queries), per_request)]
     latencies: list[float] = []

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from judge import make_judge  # noqa: E402
+from agent.judge import make_judge  # noqa: E402
 from rewards import compute  # noqa: E402
 
 SEARCHED = ("<think> find it</think><search> Tavi Morek born</search><information>Doc 1(Title: Tavi Morek) Tavi "

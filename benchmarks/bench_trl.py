@@ -22,10 +22,10 @@ Ours:
               logp.detach()); grpo_token_loss; w = loss_weights(counts, loss_agg, norm); loss =
               (tok_loss * m * w).sum(); backward. Those lines are replicated here (they sit inside
               _policy_update, next to the model call) in float64; _policy_update casts to float32.
-  grpo_step   train.grpo_step itself, unchanged, float32, several micro-batches
+  grpo_step   grpo.grpo_step itself, unchanged, float32, several micro-batches
               (micro_batch_tokens = 120), SGD(lr=0) and grad_clip = 1e30 (clip factor exactly 1);
               gradients read from the parameters, loss / KL / clip fraction from its totals.
-  advantages  train.group_advantages; KL: train.kl_estimate(..., "k3").
+  advantages  grpo.group_advantages; KL: grpo.kl_estimate(..., "k3").
 TRL, its own code on a float64 copy of the same model and the same tensors:
   loss, grad  GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py) on a GRPOTrainer made with
               object.__new__, given the attributes its __init__ derives from a real GRPOConfig and a
@@ -60,7 +60,7 @@ check                                ours <-> TRL                           max|
 -- per-token logprobs on policy tokens (TRL: _get_per_token_logps_and_entropies, fused LM head)
 logp fp64 (grpo_step's lines)        log_softmax+gather <-> fused head    6.07e-07  8.33e-08  1e-05  PASS
 logp fp32 (sft.token_logprobs)       log_softmax+gather <-> fused head    2.38e-06  3.27e-07  1e-05  PASS
--- advantages (train.group_advantages <-> the block of GRPOTrainer._generate_and_score_completions)
+-- advantages (grpo.group_advantages <-> the block of GRPOTrainer._generate_and_score_completions)
 advantages, adv_eps=1e-6 (default)   std=group <-> scale_rewards=group    3.21e-04  2.14e-04  1e-06  DIFF [1]
 advantages, adv_eps=1e-4 (aligned)   std=group <-> scale_rewards=group    2.23e-08  1.49e-08  1e-06  PASS
 advantages, adv_eps=1e-6 (default)   std=batch <-> scale_rewards=batch    3.60e-04  2.18e-04  1e-06  DIFF [1]
@@ -105,7 +105,7 @@ loss b=0.04 TRL fused head           seq-mean-token-mean <-> grpo         1.81e-
 grad b=0.04 TRL fused head           seq-mean-token-mean <-> grpo         5.70e-08  4.58e-07  1e-05  PASS
 loss b=0.04 TRL fused head           seq-mean-token-sum-norm <-> dr_grpo  5.42e-09  1.99e-08  1e-05  PASS
 grad b=0.04 TRL fused head           seq-mean-token-sum-norm <-> dr_grpo  1.05e-08  2.56e-07  1e-05  PASS
--- KL k3 per policy token (train.kl_estimate <-> the per_token_kl lines of GRPOTrainer._compute_loss)
+-- KL k3 per policy token (grpo.kl_estimate <-> the per_token_kl lines of GRPOTrainer._compute_loss)
 KL per token fp64                    kl_estimate k3 <-> per_token_kl      0.00e+00  0.00e+00  1e-06  PASS
 -- conventions that differ, each next to its aligned check
 loss b=0.04, TRL default KL          token-mean <-> dapo                  8.33e-05  1.35e-04  1e-06  DIFF [2]
@@ -139,9 +139,9 @@ grad b=0.04, 10+10 rollouts          seq-mean-token-sum-norm <-> dr_grpo  3.47e-
     GRPOTrainer._compute_loss) multiplies per_token_kl by the ratio pi/pi_old (DeepSeek-V3.2), which
     also changes the KL gradient on-policy, and logs the weighted KL; ours adds beta * k3
     unweighted. Aligned: use_bias_correction_kl=False (every other b=0.04 row).
-[3] k3 clamp: ours clamps k3 to [-10, 10] (train.kl_estimate, DESIGN §4, as verl's low_var_kl);
+[3] k3 clamp: ours clamps k3 to [-10, 10] (grpo.kl_estimate, DESIGN §4, as verl's low_var_kl);
     TRL's per_token_kl in GRPOTrainer._compute_loss is not clamped. Probe: ref = logp + 3 on every
-    5th policy token (k3 = 16.1). Aligned: train.kl_estimate without the clamp, patched in this
+    5th policy token (k3 = 16.1). Aligned: grpo.kl_estimate without the clamp, patched in this
     process for those rows only.
 [4] Dr.GRPO constant: TRL divides by max_completion_length (GRPOTrainer._compute_loss, dr_grpo);
     ours by train.loss_norm_tokens, whose default 0 means rollout.max_model_len (1024, prompt
@@ -149,7 +149,7 @@ grad b=0.04, 10+10 rollouts          seq-mean-token-sum-norm <-> dr_grpo  3.47e-
     max_completion_length (every other dr_grpo row).
 [5] micro-batches: TRL's grpo / bnpo / dr_grpo normalise each micro-batch by its own sequences or
     tokens and divide by current_gradient_accumulation_steps (GRPOTrainer._compute_loss), exact only
-    for equal micro-batches; ours weights every sequence from the whole batch (train.loss_weights),
+    for equal micro-batches; ours weights every sequence from the whole batch (grpo.loss_weights),
     so the loss does not depend on the split. TRL's dapo divides by num_items_in_batch, the whole
     batch's token count, like our token-mean. Aligned: equal micro-batches (10+10 rollouts).
 
@@ -183,10 +183,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
-import train  # noqa: E402
-from config import Config  # noqa: E402
-from sft import pad_batch, token_logprobs  # noqa: E402
-from train import group_advantages, grpo_step, grpo_token_loss, kl_estimate, loss_weights, sequence_tensors  # noqa: E402
+from trainer import grpo  # noqa: E402
+from trainer.batching import pad_batch, token_logprobs  # noqa: E402
+from trainer.config import Config  # noqa: E402
+from trainer.grpo import group_advantages, grpo_step, grpo_token_loss, kl_estimate, loss_weights, sequence_tensors  # noqa: E402
 
 V, P, G, Q, MAXC, PAD = 64, 6, 4, 5, 32, 0
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
@@ -472,7 +472,7 @@ def main() -> int:
     row("logp fp32 (sft.token_logprobs)", "log_softmax+gather <-> fused head", ours32[on], trl_logp[on], 1e-5)
 
     # ---- advantages
-    section("advantages (train.group_advantages <-> the block of GRPOTrainer._generate_and_score_completions)")
+    section("advantages (grpo.group_advantages <-> the block of GRPOTrainer._generate_and_score_completions)")
     adv_src = trl_snippet(gt.GRPOTrainer._generate_and_score_completions,
                           "unscorable_mask = torch.isnan(rewards_per_func)",
                           "advantages = torch.nan_to_num(advantages, nan=0.0)")  # fmt: skip
@@ -532,7 +532,7 @@ def main() -> int:
         row(f"grad b={BETA:g} TRL fused head", pair, ours["grad"], theirs["grad"], 1e-5)
 
     # ---- KL per token: TRL's statements from _compute_loss
-    section("KL k3 per policy token (train.kl_estimate <-> the per_token_kl lines of GRPOTrainer._compute_loss)")
+    section("KL k3 per policy token (grpo.kl_estimate <-> the per_token_kl lines of GRPOTrainer._compute_loss)")
     kl_src = trl_snippet(gt.GRPOTrainer._compute_loss, 'ref_per_token_logps = inputs["ref_per_token_logps"]',
                          "per_token_kl = per_token_kl * coef_1")  # fmt: skip
 
@@ -570,9 +570,9 @@ def main() -> int:
     far_inputs = inputs | {"ref_per_token_logps": far}
     far_full = ref_full.clone()
     far_full[:, P - 1 : P - 1 + C] = far
-    clamp_note = ("k3 clamp: ours clamps k3 to [-10, 10] (train.kl_estimate, DESIGN §4, as verl's low_var_kl); "
+    clamp_note = ("k3 clamp: ours clamps k3 to [-10, 10] (grpo.kl_estimate, DESIGN §4, as verl's low_var_kl); "
                   "TRL's per_token_kl in GRPOTrainer._compute_loss is not clamped. Probe: ref = logp + 3 on every "
-                  "5th policy token (k3 = 16.1). Aligned: train.kl_estimate without the clamp, patched in this "
+                  "5th policy token (k3 = 16.1). Aligned: grpo.kl_estimate without the clamp, patched in this "
                   "process for those rows only.")  # fmt: skip
     row("KL per token, k3 up to 16", "kl_estimate k3 <-> per_token_kl",
         kl_estimate(cur, far_full, "k3")[:, P - 1 :][on], trl_kl(far_inputs, False)[on], 1e-6, clamp_note)  # fmt: skip
@@ -581,12 +581,12 @@ def main() -> int:
     ours = ours_fns(policy, batch, "token-mean", BETA, ref=far_full)
     pair = "token-mean <-> bnpo"
     row(f"loss b={BETA:g}, k3 up to 16", pair, ours["loss"], theirs["loss"], 1e-6, clamp_note, ours["scale"])
-    clamped = train.kl_estimate
-    train.kl_estimate = lambda logp, ref_logp, kind="k3": torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    clamped = grpo.kl_estimate
+    grpo.kl_estimate = lambda logp, ref_logp, kind="k3": torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
     try:
         ours = ours_fns(policy, batch, "token-mean", BETA, ref=far_full)
     finally:
-        train.kl_estimate = clamped
+        grpo.kl_estimate = clamped
     row(f"loss b={BETA:g}, k3 up to 16, unclamped", pair, ours["loss"], theirs["loss"], 1e-6, scale=ours["scale"])
     row(f"grad b={BETA:g}, k3 up to 16, unclamped", pair, ours["grad"], theirs["grad"], 1e-6)
 
@@ -607,7 +607,7 @@ def main() -> int:
     accum_note = ("micro-batches: TRL's grpo / bnpo / dr_grpo normalise each micro-batch by its own sequences or "
                   "tokens and divide by current_gradient_accumulation_steps (GRPOTrainer._compute_loss), exact "
                   "only for equal micro-batches; ours weights every sequence from the whole batch "
-                  "(train.loss_weights), so the loss does not depend on the split. TRL's dapo divides by "
+                  "(grpo.loss_weights), so the loss does not depend on the split. TRL's dapo divides by "
                   "num_items_in_batch, the whole batch's token count, like our token-mean. Aligned: equal "
                   "micro-batches (10+10 rollouts).")  # fmt: skip
     halves = {"8+12": [list(range(8)), list(range(8, 20))], "10+10": [list(range(10)), list(range(10, 20))]}

@@ -28,7 +28,7 @@ def teacher_text(cfg, question: dict, tool, rng: random.Random) -> str:
     """Prompt + the teacher's whole trajectory (no flaws: it believes what it reads; its thinks
     cite their sources when the config's teacher does), ending with "<answer> X</answer>"."""
     from rollout import render_prompt
-    from world import Habits, teacher_segments
+    from tiny.world import Habits, teacher_segments
 
     segs = teacher_segments(question, tool, rng, [], [], 0.0, 0.0, Habits(cites_source=cfg.sft.think_cites_source))
     return render_prompt(question["question"], cfg.rollout.prompt_template) + "".join(s for s, _ in segs)
@@ -38,9 +38,9 @@ def probe(cfg, model_dir: Path, n: int = 150) -> dict[str, dict[str, float]]:
     """{category: {"n", "idk", "conf_ge5"}} for one model (see the module docstring)."""
     import torch
 
-    from engine import load_policy, load_tokenizer
-    from sft import world_search_tool
-    from world import read_jsonl, world_dir
+    from tiny.sft import world_search_tool
+    from tiny.world import read_jsonl, world_dir
+    from trainer.engine import load_policy, load_tokenizer
 
     tool = world_search_tool(cfg, world_dir(cfg))
     rng = random.Random(0)  # the same contexts for every model
@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from config import load_config
+    from trainer.config import load_config
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)

@@ -49,7 +49,7 @@ def hidden_features(model, tok, path: str):
     import numpy as np
     import torch
 
-    from answers import exact_match
+    from agent.answers import exact_match
 
     start = tok.convert_tokens_to_ids("<answer>")
     feats, right = {"answer": [], "digit": []}, []
@@ -91,7 +91,7 @@ def certain(specs: list[str]) -> None:
     from sklearn.metrics import roc_auc_score
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from answers import exact_match
+    from agent.answers import exact_match
 
     for spec in specs:
         label, policy, path = spec.split("=", 2)

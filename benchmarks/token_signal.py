@@ -41,8 +41,8 @@ def contexts(cfg, target: str, n: int) -> list[tuple[str, bool]]:
     """(text, unanswerable?) of the first n training questions, cut where `target` is written."""
     from boundary_probe import teacher_text
 
-    from sft import world_search_tool
-    from world import read_jsonl, world_dir
+    from tiny.sft import world_search_tool
+    from tiny.world import read_jsonl, world_dir
 
     tool, rng = world_search_tool(cfg, world_dir(cfg)), random.Random(0)
     out = []
@@ -62,7 +62,7 @@ def run(cfg, model_dir: Path, target: str, steps: int, lr: float, n: int = 400,
     already computes at that position (what a token gets when the body hardly moves for it)."""
     import torch
 
-    from engine import load_policy, load_tokenizer
+    from trainer.engine import load_policy, load_tokenizer
 
     torch.manual_seed(0)
     tokenizer, model = load_tokenizer(model_dir), load_policy(model_dir)
@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from config import load_config
+    from trainer.config import load_config
 
     torch.set_num_threads(args.threads)
     if not (Path(args.model) / "config.json").is_file():

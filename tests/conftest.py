@@ -48,22 +48,22 @@ def write_micro_config(path: Path, cache_dir: Path, **sections) -> Path:
 @pytest.fixture(scope="session")
 def micro(tmp_path_factory):
     """(config path, config, policy dir, world dir) of a built micro world."""
-    from config import load_config
-    from world import world_dir
+    from tiny.world import world_dir
+    from trainer.config import load_config
 
     base = tmp_path_factory.mktemp("micro")
     # MICRO_CACHE=/some/dir reuses a micro world built there before (faster local reruns);
     # CI leaves it unset and builds from nothing.
     cache = Path(os.environ["MICRO_CACHE"]) if os.environ.get("MICRO_CACHE") else base / "cache"
     path = write_micro_config(base / "micro.yaml", cache)
-    subprocess.run([sys.executable, str(ROOT / "world.py"), "--config", str(path)], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "tiny.sft", "--config", str(path)], check=True, cwd=ROOT)
     cfg = load_config(path)
     return path, cfg, world_dir(cfg) / "policy", world_dir(cfg)
 
 
 @pytest.fixture(scope="session")
 def vllm_engine(micro):
-    from engine import make_engine
+    from trainer.engine import make_engine
 
     _, cfg, policy, _ = micro
     return make_engine("vllm", policy, cfg.rollout)
@@ -83,9 +83,9 @@ SEARCH_WORLD = {"seed": 3, "n_people": 400, "n_cities": 40, "n_countries": 8, "n
 @pytest.fixture(scope="session")
 def search_world(tmp_path_factory):
     """(world, corpus path, hybrid index dir) for retriever, web-search and server tests."""
-    from config import WorldConfig
-    from retriever import build_index
-    from world import generate_world, write_jsonl
+    from search.index import build_index
+    from tiny.world import generate_world, write_jsonl
+    from trainer.config import WorldConfig
 
     world = generate_world(WorldConfig(**SEARCH_WORLD))
     base = tmp_path_factory.mktemp("search_world")

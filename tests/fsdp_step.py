@@ -25,10 +25,11 @@ from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import distributed  # noqa: E402
-from config import load_config  # noqa: E402
-from engine import load_policy  # noqa: E402
-from train import grpo_step, make_optimizer, memory_savers  # noqa: E402
+from train import make_optimizer
+from trainer import distributed  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.engine import load_policy  # noqa: E402
+from trainer.grpo import grpo_step, memory_savers  # noqa: E402
 
 
 def save_grads(model, path: Path, rank: int) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import (
+from trainer.checkpoint import (
     check_writable,
     load_trainer_state,
     log,
@@ -27,8 +27,8 @@ from checkpoint import (
     verify_checkpoint,
     write_samples,
 )
-from config import DataError, RunDirError, load_config
-from data import load_questions
+from trainer.config import DataError, RunDirError, load_config
+from trainer.data import load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"id": "q1", "question": "Where was Tavi Morek born?", "golden_answers": ["Sarn"]}

@@ -4,7 +4,7 @@ every index appears once, and the cut is the least-padding one (checked against 
 import itertools
 import random
 
-from sft import min_padding_cuts, token_budget_batches
+from trainer.batching import min_padding_cuts, token_budget_batches
 
 
 def positions(sorted_lengths, cuts):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from config import ConfigError, load_config
+from trainer.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_range_edges_are_accepted():
 
 def test_every_numeric_key_has_a_range():
     """Each int / float field of the config was looked at: it has a range, or is named as unbounded."""
-    from config import RANGES, UNBOUNDED, Config
+    from trainer.config import RANGES, UNBOUNDED, Config
 
     numeric = set()
     for section in dataclasses.fields(Config):

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-import protocols
-from config import load_config
-from constraints import parse_constraints
+from agent import protocols
 from rewards import parse_spec
 from rollout import render_prompt
+from trainer.config import load_config
+from trainer.constraints import parse_constraints
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SEARCH_R1 = sorted(CONFIGS.glob("search_r1_*.yaml"))

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from config import ConfigError
-from constraints import (
+from trainer.config import ConfigError
+from trainer.constraints import (
     apply_to_rewards,
     batch_statistic,
     current_lambda,

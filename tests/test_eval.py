@@ -43,8 +43,9 @@ from conftest import ROOT  # noqa: E402
 
 @pytest.fixture(scope="module")
 def micro_eval(micro):
-    from data import data_paths, load_questions, make_search_fn
-    from engine import load_tokenizer
+    from search.tools import make_search_fn
+    from trainer.data import data_paths, load_questions
+    from trainer.engine import load_tokenizer
 
     _, cfg, policy, _ = micro
     return (
@@ -57,7 +58,7 @@ def micro_eval(micro):
 
 def test_modes_force_their_prefix_and_keep_it_untrained(vllm_engine, micro_eval):
     from eval import SEARCH_OFF, rollout_mode
-    from metrics import compute_metrics
+    from report.metrics import compute_metrics
 
     cfg, tok, questions, search_fn = micro_eval
     by_mode = {m: rollout_mode(m, vllm_engine, tok, questions, search_fn, cfg) for m in ("direct", "rag", "agentic")}
@@ -82,7 +83,7 @@ def test_broken_formats_are_counted_not_dropped(vllm_engine, micro_eval):
     from dataclasses import replace
 
     from eval import rollout_mode, summarize
-    from metrics import compute_metrics
+    from report.metrics import compute_metrics
 
     cfg, tok, questions, search_fn = micro_eval
     short = replace(cfg, rollout=replace(cfg.rollout, max_tokens_per_turn=3, max_turns=0))  # no room to answer
@@ -121,7 +122,7 @@ def test_search_r1_parquet_is_read_like_flashrag(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data import load_questions
+    from trainer.data import load_questions
 
     rows = [  # the columns of Search-R1's scripts/data_process/nq_search.py output
         {"id": "test_0", "question": "who wrote x?", "golden_answers": ["A B"], "data_source": "nq",

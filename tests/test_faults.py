@@ -15,10 +15,10 @@ import urllib.request
 import pytest
 from conftest import free_port
 
-from config import WorldConfig
-from retriever import build_index, load_index
-from server import Limits, create_app, http_retrieve
-from world import generate_world, write_jsonl
+from search.index import build_index, load_index
+from search.server import Limits, create_app, http_retrieve
+from tiny.world import generate_world, write_jsonl
+from trainer.config import WorldConfig
 
 N_SLOW, N_ABORTED, N_NESTED = 20, 30, 5
 

@@ -51,8 +51,8 @@ def build(tmp: Path) -> dict:
     """Model dir, records file and the spec both runs read."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from sft import token_logprobs
-    from train import group_advantages
+    from trainer.batching import token_logprobs
+    from trainer.grpo import group_advantages
 
     torch.manual_seed(0)
     config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -173,7 +173,7 @@ def test_cases_exercise_the_hard_paths(runs):
     assert 0 < engine_old["clip_frac"] < 1 and engine_old["grad_norm"] > 0.5  # PPO clip and gradient clip
     assert kl["kl"] > 0
     # uneven micro-batch counts across the 2 processes in the single mini-batch case
-    from sft import token_budget_batches
+    from trainer.batching import token_budget_batches
 
     records = json.loads((single.parent / "records.json").read_text())
     lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
@@ -185,7 +185,7 @@ def test_full_weights_equal_single_process_state_dict(runs):
     """The vLLM sync path: gathered weights of the sharded model = the plain model's state dict."""
     from safetensors.torch import load_file
 
-    from engine import load_policy
+    from trainer.engine import load_policy
 
     _, fsdp, model_dir = runs
     gathered = load_file(str(fsdp / "initial.safetensors"))

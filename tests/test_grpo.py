@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train import group_advantages, grpo_token_loss, k3_kl
+from trainer.grpo import group_advantages, grpo_token_loss, k3_kl
 
 
 def test_group_advantages_by_hand():
@@ -35,7 +35,7 @@ def test_clip_by_hand():
 
 
 def test_kl_estimators_match_the_formulas():
-    from train import kl_estimate
+    from trainer.grpo import kl_estimate
 
     logp = torch.tensor([-1.0, -2.0, -0.5])
     ref = torch.tensor([-1.5, -1.0, -0.5])
@@ -92,7 +92,7 @@ def test_truncated_importance_weight_corrects_the_policy_term_only():
 
 
 def test_loss_aggregation_modes_by_hand():
-    from train import loss_weights
+    from trainer.grpo import loss_weights
 
     # two rollouts with 1 and 3 policy tokens, per-token losses l = [2] and [1, 1, 4]
     losses = [[2.0], [1.0, 1.0, 4.0]]
@@ -110,7 +110,7 @@ def test_loss_aggregation_modes_by_hand():
 def test_entropy_bonus_raises_entropy_when_advantages_are_zero(tmp_path):
     from test_masking import setup
 
-    from train import grpo_step
+    from trainer.grpo import grpo_step
 
     tok, cfg, model, _ = setup(tmp_path)
     ids = tok.encode("<think> P was born in the city of C.</think>", add_special_tokens=False)
@@ -129,7 +129,7 @@ def test_entropy_bonus_raises_entropy_when_advantages_are_zero(tmp_path):
 
 
 def test_unknown_choice_names_the_key():
-    from config import ConfigError, load_config
+    from trainer.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="'train.loss_agg' must be one of token-mean"):
         load_config(None, ["train.loss_agg=sequence-mean"])
@@ -140,8 +140,8 @@ def test_unknown_choice_names_the_key():
 def test_kl_in_reward_sums_the_estimate_over_policy_tokens(tmp_path):
     from test_masking import setup
 
-    from sft import pad_batch, token_logprobs
-    from train import kl_penalties
+    from trainer.batching import pad_batch, token_logprobs
+    from trainer.grpo import kl_penalties
 
     tok, cfg, model, _ = setup(tmp_path)
     ids = tok.encode("<think> P was born in the city of C.</think>", add_special_tokens=False)
@@ -161,7 +161,7 @@ def test_kl_in_reward_sums_the_estimate_over_policy_tokens(tmp_path):
 
 def _records_with(model, tok, engine_shift: float, advantages=(1.0, -1.0, 0.5, -0.5)):
     """Rollouts whose engine logprobs are the model's own + engine_shift (a vLLM/trainer gap)."""
-    from sft import pad_batch, token_logprobs
+    from trainer.batching import pad_batch, token_logprobs
 
     records = []
     for k, adv in enumerate(advantages):
@@ -178,7 +178,7 @@ def _records_with(model, tok, engine_shift: float, advantages=(1.0, -1.0, 0.5, -
 def test_old_logprobs_recomputed_by_the_trainer_and_importance_correction(tmp_path):
     from test_masking import setup
 
-    from train import grpo_step
+    from trainer.grpo import grpo_step
 
     tok, cfg, model, _ = setup(tmp_path)
     cfg.train.kl_coef = 0.0
@@ -199,7 +199,7 @@ def test_old_logprobs_recomputed_by_the_trainer_and_importance_correction(tmp_pa
 def test_epochs_times_mini_batches_optimizer_steps(tmp_path):
     from test_masking import setup
 
-    from train import grpo_step
+    from trainer.grpo import grpo_step
 
     tok, cfg, model, _ = setup(tmp_path)
     cfg.train.kl_coef = 0.0
@@ -215,8 +215,8 @@ def test_epochs_times_mini_batches_optimizer_steps(tmp_path):
 
 
 def test_lr_warmup_is_linear_then_constant():
-    from config import load_config
-    from train import lr_at
+    from trainer.config import load_config
+    from trainer.grpo import lr_at
 
     cfg = load_config(None, ["train.steps=10", "train.warmup_frac=0.5", "train.lr=1.0"])
     assert [lr_at(s, cfg) for s in (0, 1, 4, 9)] == [0.2, 0.4, 1.0, 1.0]
@@ -227,8 +227,8 @@ def test_lr_warmup_is_linear_then_constant():
 def test_lr_cosine_after_warmup():
     import math
 
-    from config import load_config
-    from train import lr_at
+    from trainer.config import load_config
+    from trainer.grpo import lr_at
 
     cfg = load_config(None, ["train.steps=10", "train.warmup_frac=0.2", "train.lr=2.0", "train.lr_schedule=cosine"])
     lrs = [lr_at(s, cfg) for s in range(10)]
@@ -239,7 +239,7 @@ def test_lr_cosine_after_warmup():
 
 
 def test_rft_keeps_accepted_rollouts_and_one_idk_when_none_is_correct():
-    from train import rft_select
+    from trainer.grpo import rft_select
 
     def rec(group, reward, answer):
         return {"group_id": group, "reward": reward, "response": f"<think>x</think><answer>{answer}</answer>"}
@@ -255,8 +255,8 @@ def test_rft_keeps_accepted_rollouts_and_one_idk_when_none_is_correct():
 def test_bapo_resampling_enlarges_the_group_in_the_plateau_stage_only():
     # issue 23.3: BAPO §4.2 resamples in the plateau stage, and App. B.2's new rollouts enlarge
     # the effective group (G, then up to G (k + 1)) instead of replacing it
-    from config import load_config
     from train import resample_marked_groups
+    from trainer.config import load_config
 
     def rec(qid: str, answer: str) -> dict:
         text = f"<think>x</think><answer>{answer}</answer>"

@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 from conftest import free_port
 
-from judge import JudgeError, make_judge, parse_verdict
+from agent.judge import JudgeError, make_judge, parse_verdict
 from rewards import compute
 
 INFOS = [f"Doc {i}(Title: P{i}) P{i} was born in the city of C{i}." for i in range(12)]
@@ -280,7 +280,7 @@ def test_rewards_use_the_judge(server):
 def test_eval_metrics_judge_accuracy_over_http(server):
     """metrics.compute_metrics with the real HTTP judge (eval.py --judge-url): judge_acc is the
     judge's verdict per answer, an IDK answer is never sent and never correct."""
-    from metrics import compute_metrics
+    from report.metrics import compute_metrics
     from rewards import answer_verdict
 
     judge = make_judge(f"http://127.0.0.1:{server['port']}/v1", "judge")

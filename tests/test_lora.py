@@ -11,10 +11,11 @@ import copy
 import pytest
 import torch
 
-from config import ModelConfig, RolloutConfig
-from engine import load_policy, make_engine
-from lora import add_lora, base_name, load_lora, merge_and_save, merged_weights
-from sft import build_tiny_model, token_logprobs, train_tokenizer
+from tiny.sft import build_tiny_model, train_tokenizer
+from trainer.batching import token_logprobs
+from trainer.config import ModelConfig, RolloutConfig
+from trainer.engine import load_policy, make_engine
+from trainer.lora import add_lora, base_name, load_lora, merge_and_save, merged_weights
 
 TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 

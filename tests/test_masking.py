@@ -7,11 +7,11 @@ test_rollout_engines.py.
 
 import torch
 
-from config import Config
-from engine import Completion
 from rollout import rollout_batch
-from sft import build_tiny_model, train_tokenizer
-from train import grpo_step
+from tiny.sft import build_tiny_model, train_tokenizer
+from trainer.config import Config
+from trainer.engine import Completion
+from trainer.grpo import grpo_step
 
 TURNS = ["<think> find P</think><search> P born</search>", "<think> it is C</think><answer> C</answer>"]
 

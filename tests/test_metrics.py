@@ -14,9 +14,8 @@ from collections import Counter, namedtuple
 import numpy as np
 import pytest
 
-from answers import exact_match, f1_score, normalize_answer
-from config import RolloutConfig
-from metrics import (
+from agent.answers import exact_match, f1_score, normalize_answer
+from report.metrics import (
     auroc,
     behaviour_metrics,
     brier,
@@ -26,9 +25,10 @@ from metrics import (
     ece,
     metrics_by_dataset,
     rejection_success_rate,
-)  # fmt: skip
+)
 from rewards import compute, score
 from rollout import rollout_batch
+from trainer.config import RolloutConfig
 
 INFO = "<information>Doc 1(Title: Tavi Morek) Tavi Morek was born in the city of Velor.</information>"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from config import ConfigError, load_config
-from plan import load_arch, memory_plan, param_count
+from trainer.config import ConfigError, load_config
+from trainer.plan import load_arch, memory_plan, param_count
 
 ROOT = Path(__file__).resolve().parents[1]
 

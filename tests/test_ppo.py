@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from ppo import (
+from trainer.ppo import (
     critic_optimizer,
     critic_step,
     critic_update,
@@ -248,7 +248,7 @@ def test_critic_step_micro_batches_do_not_change_the_gradient(policy_dir):
 
 def test_critic_takes_epochs_times_mini_batches_steps_like_the_actor(policy_dir, monkeypatch):
     # issue 23.8: verl mini-batches the critic as the actor; one step per batch left it behind
-    import ppo
+    from trainer import ppo
 
     records = make_records(8, seed=5)
     critic = load_critic(policy_dir)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import ROOT
 
-from config import ConfigError, load_config
-from plan import memory_plan
-from precision import CPU_BF16_FLAGS, ENV_OVERRIDE, describe, native_bf16
+from trainer.config import ConfigError, load_config
+from trainer.plan import memory_plan
+from trainer.precision import CPU_BF16_FLAGS, ENV_OVERRIDE, describe, native_bf16
 
 
 def _cpuinfo_flags() -> set[str]:

@@ -17,13 +17,13 @@ import re
 
 import pytest
 
-import metrics
-import protocols
-from answers import parsed
-from config import ConfigError, RolloutConfig, load_config
-from engine import Completion
+from agent import protocols
+from agent.answers import parsed
+from report import metrics
 from rewards import score
 from rollout import SEARCH_R1_TEMPLATE, render_prompt, rollout_batch, tool_message_wrap
+from trainer.config import ConfigError, RolloutConfig, load_config
+from trainer.engine import Completion
 
 # ---------------------------------------------------------------------------------- helpers
 
@@ -43,7 +43,7 @@ class CharTokenizer:
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """A real byte-level BPE (sft.train_tokenizer: the tags are whole tokens), trained in ~1 s."""
-    from sft import train_tokenizer
+    from tiny.sft import train_tokenizer
 
     texts = ["Tavi Morek was born in the city of Velor. Doc Title information result answer " * 5] * 10
     return train_tokenizer(texts, 300, tmp_path_factory.mktemp("tok"))
@@ -220,7 +220,7 @@ CHAT_TEMPLATE = (  # Qwen2.5's layout (system + tools, user, assistant, tool as 
 @pytest.fixture(scope="module")
 def chat_tok(tmp_path_factory):
     """An "instruct" tokenizer: the BPE plus <|im_start|> / <|im_end|> and a chat template."""
-    from sft import train_tokenizer
+    from tiny.sft import train_tokenizer
 
     texts = ["Tavi Morek was born in the city of Velor. Doc Title information result answer " * 5] * 10
     tok = train_tokenizer(texts, 300, tmp_path_factory.mktemp("chat"))

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import retriever
-from config import ConfigError, DataError
-from retriever import bm25_tokenize, build_index, load_index, scan_corpus, search, search_rows
+from search import index as retriever
+from search.index import bm25_tokenize, build_index, load_index, scan_corpus, search, search_rows
+from trainer.config import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_encoder_conventions_on_a_local_hub_style_model(tmp_path, family_dir, pr
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from retriever import ENCODER_FAMILIES, default_encoder_path, encode, load_encoder
+    from search.index import ENCODER_FAMILIES, default_encoder_path, encode, load_encoder
 
     path = tmp_path / family_dir
     tok = AutoTokenizer.from_pretrained(default_encoder_path())

@@ -12,8 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from answers import char_f1, exact_match, f1_score, golden_of, last_block, normalize_answer, parse_response, parsed
-from metrics import bapo_metrics
+from agent.answers import (
+    char_f1,
+    exact_match,
+    f1_score,
+    golden_of,
+    last_block,
+    normalize_answer,
+    parse_response,
+    parsed,
+)
+from report.metrics import bapo_metrics
 from rewards import (
     BapoState,
     bapo,

@@ -7,8 +7,8 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from answers import parse_response
-from metrics import compute_metrics
+from agent.answers import parse_response
+from report.metrics import compute_metrics
 from rewards import RANGES, REWARDS, bapo_resample_groups, compute
 
 TAGS = ["<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>",

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import ROOT
 
-from data import make_search_fn
-from engine import RELOAD_LOGGER, load_policy, load_tokenizer, make_engine, quiet_rotary_reload_warning
 from rollout import STOP
-from sft import token_logprobs
+from search.tools import make_search_fn
+from trainer.batching import token_logprobs
+from trainer.engine import RELOAD_LOGGER, load_policy, load_tokenizer, make_engine, quiet_rotary_reload_warning
 
 
 def check_record(r, tokenizer, max_turns):
@@ -39,7 +39,7 @@ def check_record(r, tokenizer, max_turns):
 @pytest.fixture(scope="module")
 def setup(micro):
     path, cfg, policy, world = micro
-    from data import data_paths, load_questions
+    from trainer.data import data_paths, load_questions
 
     tok = load_tokenizer(policy)
     calls = []
@@ -150,7 +150,7 @@ def test_sleep_mode_is_refused_on_cpu_with_a_clear_error(micro):
     setting before starting (the GPU configs turn it on: a GPU path, not run here)."""
     from dataclasses import replace
 
-    from config import ConfigError
+    from trainer.config import ConfigError
 
     _, cfg, policy, _ = micro
     with pytest.raises(ConfigError, match="rollout.sleep_mode"):

@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
-from config import RetrieverConfig
-from retriever import build_index, load_index, open_search, search
-from server import Limits, RetrieverError, create_app, http_retrieve
+from search.index import build_index, load_index, search
+from search.server import Limits, RetrieverError, create_app, http_retrieve
+from search.tools import open_search
+from trainer.config import RetrieverConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -254,7 +255,7 @@ def test_queued_work_of_clients_that_have_gone_is_skipped(bm25_dir):
 
 def test_each_request_reads_passages_for_its_own_topk_only(bm25_dir, monkeypatch):
     """A topk-1 request batched with a topk-100 one reads 1 passage per query, not 100."""
-    import retriever
+    from search import index as retriever
 
     index = load_index(bm25_dir)
     reads, started, release = [0], threading.Event(), threading.Event()
@@ -403,9 +404,10 @@ def test_open_search_over_http_equals_in_process(server, search_world):
 
 def test_rollouts_see_the_same_observations_over_http(vllm_engine, micro):
     """The rollout loop with retriever.url set: same greedy records as with the in-process index."""
-    from data import load_questions, make_search_fn
-    from engine import load_tokenizer
     from rollout import rollout_batch
+    from search.tools import make_search_fn
+    from trainer.data import load_questions
+    from trainer.engine import load_tokenizer
 
     _, cfg, policy, world = micro
     tokenizer = load_tokenizer(policy)

@@ -14,9 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from config import ConfigError, WorldConfig, load_config  # noqa: E402
-from judge import RuleJudge, entities, make_judge  # noqa: E402
-from world import Habits, generate_world, teacher_segments, world_key, write_jsonl  # noqa: E402
+from agent.judge import RuleJudge, entities, make_judge  # noqa: E402
+from tiny.world import Habits, generate_world, teacher_segments, world_key, write_jsonl  # noqa: E402
+from trainer.config import ConfigError, WorldConfig, load_config  # noqa: E402
 
 EXT = dict(seed=5, n_people=600, n_cities=40, n_countries=8, n_val=40, n_test=40, unanswerable_frac=0.25,
            misinfo_frac=0.2)  # fmt: skip
@@ -25,8 +25,8 @@ EXT = dict(seed=5, n_people=600, n_cities=40, n_countries=8, n_val=40, n_test=40
 @pytest.fixture(scope="module")
 def ext(tmp_path_factory):
     """(world, operator-aware BM25 search, index, corpus path) of a small extended world."""
-    from retriever import build_index, load_index
-    from websearch import operator_search
+    from search.index import build_index, load_index
+    from search.web import operator_search
 
     world = generate_world(WorldConfig(**EXT))
     base = tmp_path_factory.mktemp("papers_world")
@@ -102,7 +102,7 @@ def test_misinformation_outranks_the_truth_unless_the_source_is_restricted(ext):
 
 
 def test_operator_search_leaves_plain_queries_alone_and_never_crashes(ext):
-    from retriever import search as plain_search
+    from search.index import search as plain_search
 
     _, search, index, _ = ext
     queries = ["Tavi born", "", "site:tinypedia.org", '"was born" -site:tinypedia.org Kasol', "NOT NOT"]
@@ -114,7 +114,7 @@ def test_operator_search_leaves_plain_queries_alone_and_never_crashes(ext):
 
 
 def test_deliberative_and_webfilter_protocols_get_search_and_read_tools(ext):
-    from data import make_search_fn
+    from search.tools import make_search_fn
 
     world, *_, corpus = ext
     person = next(q for q in world.questions["test"] if q["metadata"].get("category") == "misinfo")["metadata"]
@@ -192,10 +192,10 @@ def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext
     rollout.confidence_after_answer both write the final confidence after the answer."""
     from dataclasses import replace
 
-    from answers import exact_match, parse_response
-    from data import make_search_fn
-    from sft import teacher_examples
-    from teachers import teacher_rollouts
+    from agent.answers import exact_match, parse_response
+    from search.tools import make_search_fn
+    from tiny.sft import teacher_examples
+    from tiny.teachers import teacher_rollouts
 
     world, search, _, corpus = ext
     qs = world.questions["train"][:80]
@@ -245,7 +245,7 @@ def test_rule_judge_rules_and_their_use_in_the_rewards():
     assert entities("I know the answer. Doc 1(Title: x)") == set()
     with pytest.raises(ValueError, match="no rule for 'bogus'"):
         judge.prompt("bogus")
-    from metrics import compute_metrics
+    from report.metrics import compute_metrics
     from rewards import score
 
     faithful = f"<think> a</think><search> Tavi Morek born</search><information>{info}</information>"
@@ -306,8 +306,8 @@ def test_summary_splits_the_categories():
 
 
 def test_every_papers_row_shares_its_baselines_start():
-    from tiny_papers import RUNS, START_OF, STARTS
-    from world import world_dir
+    from tiny.papers import RUNS, START_OF, STARTS
+    from tiny.world import world_dir
 
     start = {row: world_dir(load_config(ROOT / config)) for row, config in RUNS.items()}
     for row in RUNS:
@@ -361,10 +361,10 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
 
 @pytest.mark.parametrize("protocol", ["bapo", "deliberative", "webfilter"])
 def test_protocol_teachers_write_valid_trajectories_through_the_rollout_loop(ext, protocol):
-    from answers import parse_response
-    from data import make_search_fn
+    from agent.answers import parse_response
     from rewards import score
-    from teachers import teacher_rollouts
+    from search.tools import make_search_fn
+    from tiny.teachers import teacher_rollouts
 
     world, *_, corpus = ext
     qs = world.questions["train"][:80]

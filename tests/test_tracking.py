@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, write_micro_config
 
-from config import ConfigError, load_config
-from tracking import flat_scalars, summary_table
+from trainer.config import ConfigError, load_config
+from trainer.tracking import flat_scalars, summary_table
 
 
 @pytest.fixture(scope="module")

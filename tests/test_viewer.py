@@ -26,12 +26,12 @@ import pytest
 from conftest import ROOT
 from matplotlib import image as mpimg
 
-import viewer
-from config import Config
-from engine import Completion
+from report import viewer
 from rewards import score
 from rollout import _record, _State, rollout_batch
-from sft import train_tokenizer
+from tiny.sft import train_tokenizer
+from trainer.config import Config
+from trainer.engine import Completion
 
 SEARCH = "<think> find Tavi</think><search> Tavi Morek born</search>"
 HIT = "Doc 1(Title: Tavi Morek) Tavi Morek was born in Velor, near Zürich."  # ü: 2 byte tokens

@@ -36,12 +36,12 @@ def chat_llama(micro, tmp_path_factory):
 def test_warm_start_examples_are_rollouts_in_the_chat_template(micro, chat_llama, tmp_path):
     """The SFT example of a trajectory has the token ids and mask a rollout of it would have: the
     chat-template prompt (masked), the teacher's turns (trained), the observations (masked)."""
-    from config import load_config
-    from engine import load_tokenizer
-    from protocols import PROTOCOLS
+    from agent.protocols import PROTOCOLS
     from rollout import prompt_ids
-    from warm_start import warm_start_examples
-    from world import ensure_world_data, read_jsonl
+    from tiny.warm_start import warm_start_examples
+    from tiny.world import ensure_world_data, read_jsonl
+    from trainer.config import load_config
+    from trainer.engine import load_tokenizer
 
     _, micro_cfg, _, _ = micro
     world = [f"world.{k}={v}" for k, v in vars(micro_cfg.world).items() if k != "cache_dir"]
@@ -94,7 +94,7 @@ def test_a_random_chat_llama_warm_starts_and_trains_with_vllm_in_sync(chat_llama
 
 
 def test_smollm2_config_is_the_byo_path_and_warm_start_needs_a_model():
-    from config import ConfigError, load_config
+    from trainer.config import ConfigError, load_config
 
     cfg = load_config(ROOT / "configs" / "smollm2.yaml")
     assert cfg.model.path == "models/smollm2-135m-instruct"  # what `python convert_gguf.py smollm2` writes

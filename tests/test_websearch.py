@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-import websearch
-from retriever import build_index, load_index
-from websearch import MAX_SCAN, parse_query, read, web_search
-from world import write_jsonl
+from search import web as websearch
+from search.index import build_index, load_index
+from search.web import MAX_SCAN, parse_query, read, web_search
+from tiny.world import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from config import WorldConfig
-from retriever import build_index, format_hits, load_index, scan_corpus, search
-from world import UNRELIABLE_DOMAINS, generate_world, teacher_segments, write_jsonl
+from search.index import build_index, format_hits, load_index, scan_corpus, search
+from tiny.world import UNRELIABLE_DOMAINS, generate_world, teacher_segments, write_jsonl
+from trainer.config import WorldConfig
 
 SMALL = WorldConfig(seed=3, n_people=200, n_cities=20, n_countries=5, n_val=10, n_test=10)
 
@@ -103,9 +103,9 @@ def test_the_saved_tiny_tokenizer_loads_as_it_was_trained(tmp_path):
     observation after SFT is written in tokens the policy never saw."""
     from transformers import AutoTokenizer
 
-    from config import ModelConfig
     from rollout import tokenize_segments
-    from sft import build_tiny_model, train_tokenizer
+    from tiny.sft import build_tiny_model, train_tokenizer
+    from trainer.config import ModelConfig
 
     world = generate_world(WorldConfig(n_people=60, n_cities=12, n_countries=4, n_val=5))
     texts = [p["contents"] for p in world.corpus]  # + what observations and answers hold: digits after a space
@@ -134,7 +134,7 @@ def test_an_sft_start_that_has_not_learnt_to_copy_is_flagged(tmp_path):
 
     sft = {"steps": 10, "warmup_steps": 2, "probe_every": 0}  # 0: probed only at the end
     path = write_micro_config(tmp_path / "c.yaml", tmp_path / "cache", sft=sft)
-    built, cached = [subprocess.run([sys.executable, str(ROOT / "world.py"), "--config", str(path)],
+    built, cached = [subprocess.run([sys.executable, "-m", "tiny.sft", "--config", str(path)],
                                     capture_output=True, text=True, cwd=ROOT) for _ in range(2)]  # fmt: skip
     assert built.returncode == cached.returncode == 0, built.stderr[-2000:] + cached.stderr[-2000:]
     summary = json.loads(next((tmp_path / "cache").glob("tiny-*/sft_summary.json")).read_text())
@@ -150,9 +150,9 @@ def test_a_model_of_yours_trains_on_the_tiny_world_with_no_data_paths(micro, tmp
     """With model.path set (another model, another prompt, another SFT) and data.* empty, the
     corpus and questions come from a cache keyed on the world alone: the same files as the tiny
     policy's world, written on first use."""
-    from config import load_config
-    from data import data_paths
-    from world import data_key, world_dir
+    from tiny.world import data_key, world_dir
+    from trainer.config import load_config
+    from trainer.data import data_paths
 
     _, cfg, policy, world_path = micro
     overrides = [f"world.{k}={v}" for k, v in vars(cfg.world).items() if k != "cache_dir"] + [

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-import precision
+from trainer import precision
 
 
 class ConfigError(ValueError):

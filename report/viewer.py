@@ -4,7 +4,7 @@
     python viewer.py rollouts.jsonl -o viewer.html --tokenizer MODEL_DIR  # token-level masking
     python viewer.py samples/step_30.jsonl -o v.html --reward search_r1_em  # score unscored records
 
-    from viewer import write_viewer
+    from report.viewer import write_viewer
     write_viewer(records, "results/viewer.html", tokenizer=tok, title="tiny / val")
 
 Input: rollout records as rollout.py builds them (`chunks`, `segments`, `response_ids`,
@@ -47,7 +47,9 @@ from bisect import bisect_right
 from html import escape
 from pathlib import Path
 
-from answers import OBSERVATIONS, exact_match, golden_of, parsed, split_segments
+from agent.answers import OBSERVATIONS, exact_match, golden_of, parsed, split_segments
+from rewards import score
+from trainer.engine import load_tokenizer
 
 # Segment colours (backgrounds). read shares tool_call's colour, tool_response shares result's.
 COLOURS = {
@@ -316,13 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     if not all(isinstance(r, dict) for r in records):
         sys.exit(f"error: {args.rollouts}: every line must be a JSON object")
     if args.reward:
-        from rewards import score
-
         score(records, args.reward)
     tokenizer = None
     if args.tokenizer:
-        from engine import load_tokenizer
-
         tokenizer = load_tokenizer(args.tokenizer)
     out = write_viewer(records, args.output, tokenizer, args.title or Path(args.rollouts).name)
     print(f"wrote {len(records)} trajectories to {out}")

@@ -2,22 +2,41 @@
 
     paths = data_paths(cfg)            # corpus / train / val / test: `data.*`, or the tiny world's cache
     questions = load_questions(paths["train"])      # FlashRAG jsonl, checked line by line
-    search_fn = make_search_fn(cfg, paths["corpus"], timings)   # queries -> rendered hits
     policy_dir = ensure_policy(cfg, run_dir)        # model.path, or the tiny world's SFT policy
+    start = starting_policy(cfg)                    # the same directory, without building anything
 
 Used by train.py, eval.py and the benchmarks. Empty `data.*` and `model.path` mean the embedded
-tiny world (DESIGN.md §5), built once into `cache/` by world.py.
+tiny world (DESIGN.md §5), built once into `cache/` by `python -m tiny.sft`. This is the one
+module of the trainer that reaches into `tiny/`; the search tools are search/tools.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from config import Config, DataError
+from tiny.warm_start import warm_start_dir
+from tiny.world import ensure_world_data, world_data_dir, world_dir
+from trainer.config import Config, DataError
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository, so `python -m tiny.sft` runs from any directory
+
+
+def run_module(module: str, *args: str) -> None:
+    """`python -m module args` in a child process, in this directory, the repository importable."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    subprocess.run([sys.executable, "-m", module, *args], check=True, env=os.environ | {"PYTHONPATH": path})
+
+
+def starting_policy(cfg: Config) -> Path:
+    """Where the run starts from: `model.path` (or its cached warm start), else the tiny world's
+    SFT policy. Builds nothing (ensure_policy does)."""
+    if cfg.model.path:
+        return warm_start_dir(cfg) / "policy" if cfg.sft.warm_start else Path(cfg.model.path)
+    return world_dir(cfg) / "policy"
 
 
 def ensure_policy(cfg: Config, run_dir: Path) -> Path:
@@ -27,9 +46,6 @@ def ensure_policy(cfg: Config, run_dir: Path) -> Path:
     Both warm starts are built in a child process: the teacher uses bm25s (numba), which must not
     be imported in a process that will start vLLM afterwards (DESIGN.md §6).
     """
-    from warm_start import warm_start_dir
-    from world import world_dir
-
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
@@ -40,17 +56,13 @@ def ensure_policy(cfg: Config, run_dir: Path) -> Path:
         if not (policy / "DONE").exists():
             print(f"warm start: fine-tuning {path} on the tiny world's teacher into {policy.parent} (cached) ...",
                   flush=True)  # fmt: skip
-            subprocess.run([sys.executable, str(Path(__file__).with_name("warm_start.py")), "--config",
-                            str(run_dir / "config.yaml")], check=True)  # fmt: skip
+            run_module("tiny.warm_start", "--config", str(run_dir / "config.yaml"))
         return policy
 
     policy = world_dir(cfg) / "policy"
     if not (policy / "DONE").exists():
         print(f"building the tiny world and SFT warm start in {policy.parent} (cached) ...", flush=True)
-        subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("world.py")), "--config", str(run_dir / "config.yaml")],
-            check=True,
-        )
+        run_module("tiny.sft", "--config", str(run_dir / "config.yaml"))
     return policy
 
 
@@ -59,8 +71,6 @@ def data_paths(cfg: Config) -> dict[str, Path]:
     With the tiny policy they sit in its cache (world.world_dir); with a `model.path` of yours,
     in a cache keyed on the world alone (world.world_data_dir, written here on first use), so any
     model trains and evaluates on the tiny world with no `data.*` set."""
-    from world import ensure_world_data, world_data_dir, world_dir
-
     tiny = world_dir(cfg)
     if cfg.model.path and not all(getattr(cfg.data, kind) for kind in ("corpus", "train", "val", "test")):
         tiny = ensure_world_data(cfg, world_data_dir(cfg))
@@ -144,49 +154,3 @@ def read_parquet_questions(path: Path) -> list[dict]:
         golden = golden if isinstance(golden, str) else list(golden)  # list("Paris"): letters; refused later
         out.append({"id": str(qid), "question": question, "golden_answers": golden, "metadata": meta})
     return out
-
-
-def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
-    """The rollout's tools. Search-R1 and BAPO protocols: one batched search, queries -> rendered
-    hits, in process or over HTTP (retriever.open_search). Deliberative and WebFilter protocols:
-    {"search", "read"} over websearch.py (sources with url and date, operators, read by id), in
-    process only. Imports bm25s: call after vLLM has started."""
-    from retriever import format_hits, open_search
-
-    if cfg.rollout.protocol in ("deliberative", "webfilter"):
-        return make_web_tools(cfg, corpus_path, timings)
-    search = open_search(cfg.retriever, corpus_path)
-
-    def search_fn(queries: list[str]) -> list[str]:
-        t = time.time()
-        out = [format_hits(h) for h in search(queries, cfg.retriever.topk)]
-        timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
-        return out
-
-    return search_fn
-
-
-def make_web_tools(cfg: Config, corpus_path: Path, timings: dict) -> dict:
-    """protocols.web_tools on the configured index, each call timed into timings["retrieve"]."""
-    from config import ConfigError
-    from protocols import web_tools
-    from retriever import open_index
-
-    r = cfg.retriever
-    if r.url:
-        raise ConfigError(
-            f"rollout.protocol {cfg.rollout.protocol!r} needs an in-process index (operators, read by id); "
-            "retriever.url is a Search-R1 /retrieve server: set retriever.index instead"
-        )
-    tools = web_tools(open_index(r, corpus_path), k=r.topk, read_tokens=cfg.rollout.max_obs_tokens)
-
-    def timed(fn):
-        def call(items: list[str]) -> list:
-            t = time.time()
-            out = fn(items)
-            timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
-            return out
-
-        return call
-
-    return {name: timed(fn) for name, fn in tools.items()}

@@ -47,8 +47,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from answers import boxed, confidence_value, last_block, load_tool_call, tool_call_queries
-from config import ConfigError, RolloutConfig
+from agent.answers import boxed, confidence_value, last_block, load_tool_call, tool_call_queries
+from search.web import format_web_results  # lazy: websearch imports the retriever
+from trainer.config import ConfigError, RolloutConfig
 
 # Our own wording of Search-R1's instruction (DESIGN §3): think, search when knowledge is
 # missing, read the information, answer briefly. rollout.SEARCH_R1_TEMPLATE is this + the question.
@@ -227,8 +228,6 @@ def show_web(call: dict, result) -> tuple[str, str | None]:
     elif not isinstance(result, dict) or "results" not in result:
         text = str(result)
     else:
-        from websearch import format_web_results  # lazy: websearch imports the retriever
-
         text = format_web_results({"error": result.get("error"), "results": result["results"]})
     return f"Results for {call['query']}:\n{text}", None
 
@@ -279,13 +278,3 @@ def invalid_text(proto: Protocol, why: str) -> str:
 def instructions(proto: Protocol, cfg: RolloutConfig) -> str:
     text = proto.system.replace("{max_queries}", str(cfg.max_queries_per_call))
     return text + (proto.idk if cfg.allow_idk else "")
-
-
-def web_tools(index, k: int = 5, read_tokens: int = 512, tokenizer=None) -> dict:
-    """{"search", "read"} batched over websearch.py on a built index (deliberative, webfilter)."""
-    from websearch import read, web_search
-
-    return {
-        "search": lambda queries: [web_search(index, q, k) for q in queries],
-        "read": lambda ids: [read(index, i, read_tokens, tokenizer) for i in ids],
-    }

@@ -31,7 +31,6 @@ Build the world, tokenizer and SFT warm start (cached under cache/): `python wor
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import random
@@ -39,8 +38,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from config import Config, WorldConfig
-from precision import describe as describe_precision
+from trainer.config import Config, WorldConfig
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
@@ -387,20 +385,3 @@ def ensure_world_data(cfg: Config, out: Path | None = None) -> Path:
     for split in ("train", "val", "test"):  # test.jsonl last: it marks the data as complete
         write_jsonl(out / f"{split}.jsonl", world.questions[split])
     return out
-
-
-def main() -> None:
-    from config import load_config
-    from sft import ensure_tiny_policy
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config (default: built-in defaults)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.set)
-    print(describe_precision(cfg), flush=True)
-    print(ensure_tiny_policy(cfg))
-
-
-if __name__ == "__main__":
-    main()

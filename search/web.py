@@ -34,8 +34,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from retriever import Index, bm25_tokenize, get_passage, iter_passages, search, search_rows, title_and_text
+from search.index import Index, bm25_tokenize, get_passage, iter_passages, search, search_rows, title_and_text
 
+# WebFilter's advanced operators (§3), matched on the raw query, case-sensitive: AND / OR / NOT only
+# in upper case (a lower-cased "and" is a word), `-term` only at a word start. Its R_src reward
+# (eq. 2-4, rewards.source_restricting) and the rule judge (agent/judge.py) read them from here.
+SOURCE_OPERATORS = re.compile(r'(?:^|\s)-?(?:site|before|after):\S|"[^"]+"|\b(?:AND|OR|NOT)\b|(?:^|\s)-\w')
 SNIPPET_CHARS = 200
 MAX_SCAN = 10_000  # candidates checked against the operators per query (filtered_hits)
 
@@ -243,8 +247,6 @@ def operator_search(index: Index, queries: list[str], k: int, max_scan: int = MA
     site:tinypedia.org</search>` returns only tinypedia passages. A query without operators is
     passed to retriever.search unchanged (same hits as before operators existed).
     """
-    from rewards import SOURCE_OPERATORS
-
     plain = [i for i, query in enumerate(queries) if not SOURCE_OPERATORS.search(query)]
     out: list[list[dict]] = [[] for _ in queries]
     for i, hits in zip(plain, search(index, [queries[i] for i in plain], k)):

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import Config
+from trainer.batching import token_budget_batches
+from trainer.config import Config
 
 # Name parts that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
 # DDP). FSDP2 adds none, but vLLM's load_weights must never see them whatever wrapped the model.
@@ -179,7 +180,6 @@ def balanced_micro_batches(share: list[int], lengths: list[int], budget: int, wo
     >>> balanced_micro_batches([0, 2], [30, 29], 64, 1, [0])   # one process: no repeats
     [([2, 0], 1.0)]
     """
-    from sft import token_budget_batches
 
     micro = [[share[j] for j in b] for b in token_budget_batches(lengths, budget, random.Random(0))]
     n_micro = int(all_reduce(torch.tensor(float(len(micro))), world, "max"))

@@ -29,8 +29,20 @@ import re
 import zlib
 from dataclasses import dataclass, replace
 
-from answers import OBSERVATIONS, exact_match, parse_response
-from world import _BORN, _IN_COUNTRY, RELIABLE_DOMAIN, UNFAITHFUL_THINK, hinted_confidence
+from agent.answers import OBSERVATIONS, exact_match, parse_response
+from rollout import render_prompt, rollout_batch
+from search.tools import make_search_fn
+from tiny.world import (
+    _BORN,
+    _IN_COUNTRY,
+    RELIABLE_DOMAIN,
+    UNFAITHFUL_THINK,
+    ensure_world_data,
+    generate_world,
+    hinted_confidence,
+    read_jsonl,
+)
+from trainer.config import load_config
 
 IDK = {"bapo": "\\boxed{I DON'T KNOW}"}  # the other protocols write "I don't know"
 # tags of the other protocols: whole tokens in the tiny tokenizer of a world built for them
@@ -185,7 +197,6 @@ class TeacherEngine:
 def teacher_rollouts(cfg, questions: list[dict], tools, countries: list[str], cities: list[str]) -> list[dict]:
     """One rollout record per question, the teacher writing cfg.rollout.protocol through
     rollout.rollout_batch (the protocol's parser, tools and observation rendering)."""
-    from rollout import rollout_batch
 
     engine = TeacherEngine(cfg.rollout.protocol, questions, cfg.sft, cfg.world.seed, countries, cities,
                            cfg.sft.confidence == "random", cfg.rollout.confidence_after_answer)  # fmt: skip
@@ -197,7 +208,6 @@ def teacher_rollouts(cfg, questions: list[dict], tools, countries: list[str], ci
 
 def protocol_trajectories(cfg, questions: list[dict], tools, countries: list[str], cities: list[str]) -> list:
     """teacher_rollouts as SFT trajectories: (text, role) segments, the prompt first."""
-    from rollout import render_prompt
 
     out = []
     for q, r in zip(questions, teacher_rollouts(cfg, questions, tools, countries, cities)):
@@ -208,10 +218,6 @@ def protocol_trajectories(cfg, questions: list[dict], tools, countries: list[str
 
 
 def main() -> None:
-    from config import load_config
-    from data import make_search_fn
-    from world import ensure_world_data, generate_world, read_jsonl
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a tiny-world config, e.g. configs/tiny_papers.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -32,7 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server import post_by
+from agent.answers import exact_match
+from search.server import post_by
+from search.web import SOURCE_OPERATORS
 
 PROMPTS = {
     "answer": (
@@ -276,8 +278,6 @@ def entities(text: str) -> set[str]:
 
 
 def _rule_answer(question: str = "", answer: str = "", golden=(), **_) -> float:
-    from answers import exact_match
-
     return exact_match(answer, [golden] if isinstance(golden, str) else list(golden))
 
 
@@ -293,8 +293,6 @@ def _rule_think_search(think: str = "", search: str = "", **_) -> float:
 
 def _rule_syntax(question: str = "", queries=(), evidence=(), **_) -> float:
     """An operator query (site:, ...) brought back a source about the question's subject."""
-    from rewards import SOURCE_OPERATORS
-
     subject = entities(question)
     return float(any(SOURCE_OPERATORS.search(q) and subject & entities(e) for q, e in zip(queries, evidence)))
 

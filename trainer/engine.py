@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from config import ConfigError, RolloutConfig
+from trainer.config import ConfigError, RolloutConfig
 
 
 @dataclass

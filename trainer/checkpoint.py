@@ -36,7 +36,10 @@ import torch
 import torch.distributed.tensor  # noqa: F401  registers DTensor with weights_only loading (FSDP2 optimizer shards)
 import yaml
 
-from config import Config, ConfigError, RunDirError, config_to_dict
+from trainer.config import Config, ConfigError, RunDirError, config_to_dict
+from trainer.distributed import barrier, save_full_state
+from trainer.lora import merge_and_save
+from trainer.ppo import save_critic
 
 try:
     from numpy._core.multiarray import _reconstruct
@@ -108,7 +111,6 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
     by rank 0, and each process writes its own shard of the optimizer state. A write that fails
     (disk full, read-only) removes the partial step_<step>.tmp, which would otherwise hold the disk
     full, keeps the earlier checkpoints, and is a RunDirError naming the path and the cause."""
-    from distributed import barrier, save_full_state
 
     ckpt = run / "checkpoints" / f"step_{step}"
     tmp = ckpt.with_name(ckpt.name + ".tmp")
@@ -122,15 +124,12 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
             if rank == 0:
                 model.config.save_pretrained(tmp)
         elif hasattr(model, "peft_config"):  # LoRA: the merged plain policy, and the adapters in lora/
-            from lora import merge_and_save
 
             merge_and_save(model, tmp)
         else:
             model.save_pretrained(tmp, safe_serialization=True)
         torch.save(optimizer.state_dict(), tmp / f"optimizer.rank{rank}.pt")
         if critic is not None:
-            from ppo import save_critic
-
             save_critic(critic, tmp, rank, world)  # gathered on every rank, written by rank 0
             torch.save(critic_optimizer.state_dict(), tmp / f"critic_optimizer.rank{rank}.pt")
         barrier(world)

@@ -41,8 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-from precision import machine
-from reproduce import ROOT, finish_report, last_checkpoint, mean_spread, train_runs
+from report.plots import read_series
+from tiny.report import ROOT, finish_report, last_checkpoint, mean_spread, train_runs
+from tiny.world import world_dir
+from trainer.config import ConfigError, load_config
+from trainer.precision import machine
 
 BASELINE = "GRPO baseline (EM)"
 BOUNDARY_BASELINE = "GRPO baseline (EM), boundary world"
@@ -149,8 +152,6 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from plots import read_series
-
     series = {key: read_series(info["run"]) for key, info in done.items()}
     paths = []
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -201,8 +202,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="results/tiny_papers.md", help="the markdown report")
     parser.add_argument("--run-dir", default="", help="where runs go (default runs/papers-<time>); reuse to resume")
     args = parser.parse_args(argv)
-    from config import ConfigError, load_config
-    from world import world_dir
 
     try:
         for config in RUNS.values():  # a bad config or override fails here, before any work
@@ -225,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)  # fmt: skip
     t0 = time.time()
     for start in starts:
-        subprocess.run([sys.executable, "world.py", "--config", RUNS[STARTS[start]], *sets], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "tiny.sft", "--config", RUNS[STARTS[start]], *sets], cwd=ROOT, check=True)
     timings["worlds + SFT starts"] = time.time() - t0
     # seed-major: every row's first seed finishes first (a look at all papers early)
     jobs = [((row, seed), f"{Path(RUNS[row]).stem.replace('_', '-')}-seed{seed}", RUNS[row], [f"train.seed={seed}"])

@@ -48,7 +48,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sft import pad_batch, pad_rows, per_position, policy_positions
+from trainer.batching import pad_batch, pad_rows, per_position, policy_positions
+from trainer.config import Config
+from trainer.distributed import all_reduce, balanced_micro_batches, clip_grad_norm, full_weights
+from trainer.grpo import grpo_step, kl_per_position
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -219,8 +222,6 @@ def save_critic(critic: Critic, directory: str | Path, rank: int = 0, world: int
 
     out = Path(directory) / "critic"
     if world > 1:
-        from distributed import full_weights
-
         state = dict(full_weights(critic, rank))  # collectives on every rank; rank 0 gets the tensors
         if rank != 0:
             return out
@@ -271,7 +272,6 @@ def critic_step(
     loss x world (FSDP averages gradients), and runs as many micro-batches as the busiest one
     (zero-weight repeats: the collectives must line up). Returns value_loss, value_clip_frac,
     critic_grad_norm and value_mean (the critic's V on policy tokens before the step)."""
-    from distributed import all_reduce, balanced_micro_batches, clip_grad_norm
 
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
     masks = [policy_positions(r, mask_retrieved) for r in records]
@@ -338,3 +338,30 @@ def critic_update(
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value / (epochs * mini_batches)
     return totals
+
+
+def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, pad_id: int, step: int,
+               rank: int = 0, world: int = 1) -> dict:  # fmt: skip
+    """PPO (Search-R1's best runs, ppo.py): token rewards (the score on the last policy token,
+    minus kl_coef x k1 KL to the reference on every policy token when kl_in_reward), GAE over
+    policy tokens with the critic's values, whitened advantages; then the clipped policy step
+    and as many critic steps on the returns, on the same mini-batches (ppo.critic_update)."""
+    tcfg = cfg.train
+    values = critic_values(critic, records, tcfg.micro_batch_tokens, pad_id)
+    kls = kl_per_position(ref, records, cfg, pad_id) if tcfg.kl_in_reward and ref is not None else None
+    advantages, returns = ppo_advantages(
+        records, values, [r["reward"] for r in records], kls, tcfg.kl_coef, tcfg.gae_gamma, tcfg.gae_lambda,
+        tcfg.whiten_advantages, tcfg.mask_retrieved,
+    )  # fmt: skip
+    for r, adv in zip(records, advantages):
+        r["advantages"] = adv.tolist()
+    stats = grpo_step(model, ref, records, optimizer, cfg, pad_id, step, rank, world)
+    if kls is not None:  # the loss carries no KL term here, so report the reward's
+        stats["kl"] = float(sum(k.sum() for k in kls)) / max(1, sum(sum(r["loss_mask"]) for r in records))
+    for r in records:
+        del r["advantages"]  # per-token lists would bloat samples/*.jsonl
+    critic_stats = critic_update(critic, critic_opt, records, values, returns, tcfg.value_clip, tcfg.micro_batch_tokens,
+                                 pad_id, tcfg.grad_clip, tcfg.mask_retrieved, rank, world, tcfg.epochs,
+                                 tcfg.mini_batches, tcfg.seed * 1000003 + step)  # fmt: skip
+    return stats | critic_stats
+

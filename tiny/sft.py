@@ -33,6 +33,7 @@ Run: `python sft.py --config configs/tiny.yaml` (same as `python world.py ...`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -44,8 +45,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import Config, ConfigError, ModelConfig, SFTConfig
+from agent.answers import exact_match, last_block
 from rollout import TAGS, render_prompt, tokenize_segments
+from search.index import format_hits
+from search.tools import make_search_fn, open_search
+from tiny.teachers import PROTOCOL_TAGS, protocol_trajectories
+from tiny.world import (
+    Habits,
+    ensure_world_data,
+    generate_world,
+    hinted_confidence,
+    read_jsonl,
+    teacher_segments,
+    world_dir,
+)
+from trainer.batching import pad_batch, token_budget_batches, token_logprobs
+from trainer.config import Config, ConfigError, ModelConfig, SFTConfig, load_config
+from trainer.precision import describe as describe_precision
 
 EOS = "<|endoftext|>"
 
@@ -104,121 +120,6 @@ def build_tiny_model(mcfg: ModelConfig, tokenizer):
     return Qwen2ForCausalLM(config)
 
 
-def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
-    """Right-pad to the longest sequence; returns input_ids, attention_mask, loss_mask."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    loss = torch.zeros((len(seqs), width), dtype=torch.float32)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        loss[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return ids, attn, loss
-
-
-def token_budget_batches(
-    lengths: list[int], budget: int, rng: random.Random, max_padding: float = 0.1
-) -> list[list[int]]:
-    """Group example indices into micro-batches of at most `budget` padded tokens (a sequence
-    longer than the budget goes alone), similar lengths together, batches in random order.
-
-    Sort by length, then cut the sorted list where padding is least: a batch is as wide as its
-    longest member, so the cut is a small dynamic programme over the sorted lengths. It uses as
-    few micro-batches as the budget allows, and one more at a time (up to twice that many)
-    until padding is at most `max_padding` of all positions. A greedy cut ("fill to the budget,
-    then start the next") fills batches but strands long sequences beside short ones: 21.8% vs
-    this cut's measured padding at the 8192 default (README, Memory and efficiency).
-
-    >>> token_budget_batches([5, 9, 6, 10], 20, random.Random(0))  # doctest: +SKIP
-    [[1, 3], [0, 2]]
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
-    cuts = min_padding_cuts([lengths[i] for i in order], budget, max_padding)
-    batches = [order[a:b] for a, b in zip(cuts, cuts[1:])]
-    rng.shuffle(batches)
-    return batches
-
-
-def min_padding_cuts(sorted_lengths: list[int], budget: int, max_padding: float = 0.1) -> list[int]:
-    """Cut points [0, c1, ..., n] of ascending lengths into contiguous micro-batches: the fewest
-    batches under `budget` padded tokens, more (up to twice as many) while padding exceeds
-    `max_padding`; among cuts with the same count, the least padding.
-
-    >>> min_padding_cuts([2, 2, 2, 9], 18)      # greedy would pack [2,2,2] | [9]: same here
-    [0, 3, 4]
-    >>> min_padding_cuts([1, 1, 8, 8, 8, 9], 30)  # [1,1] | [8,8,8] | [9]: 2+24+9 = 35 positions
-    [0, 2, 5, 6]
-    """
-    n = len(sorted_lengths)
-    if n == 0:
-        return [0]
-    real = sum(sorted_lengths)
-    inf = float("inf")
-
-    def fits(i: int, j: int) -> bool:  # batch sorted_lengths[i:j], padded to its last (longest)
-        return j - i == 1 or sorted_lengths[j - 1] * (j - i) <= budget
-
-    # cost[k][j]: least positions covering the first j sequences with k batches; back[k][j]: cut
-    cost, back = [[0.0] + [inf] * n], [[0] * (n + 1)]
-    while True:
-        k = len(cost)
-        row, arg = [inf] * (n + 1), [0] * (n + 1)
-        for j in range(1, n + 1):
-            for i in range(j - 1, -1, -1):
-                if not fits(i, j):
-                    break  # wider batches only get wider going left
-                c = cost[k - 1][i] + sorted_lengths[j - 1] * (j - i)
-                if c < row[j]:
-                    row[j], arg[j] = c, i
-        cost.append(row)
-        back.append(arg)
-        fewest = next(m for m in range(1, k + 1) if cost[m][n] < inf) if row[n] < inf else None
-        if fewest is not None and (1 - real / row[n] <= max_padding or k >= 2 * fewest or k >= n):
-            break
-    cuts, j = [n], n
-    for m in range(k, 0, -1):
-        j = back[m][j]
-        cuts.append(j)
-    return cuts[::-1]
-
-
-def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """log p(ids[:, t] | ids[:, :t]) for t >= 1, shape (B, T-1). Position t-1 predicts token t."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-
-def pad_rows(rows: list, width: int) -> torch.Tensor:
-    """Per-position rows (lists or tensors) right-padded with 0 into one float32 [B, width]."""
-    out = torch.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
-    return out
-
-
-def policy_positions(record: dict, mask_retrieved: bool = True) -> list[int]:
-    """Per-position mask of a rollout record (length len(prompt + response) - 1; position t-1
-    predicts token t): 1 where the predicted token is a policy token. mask_retrieved=False
-    (Search-R1's ablation) counts every response token, retrieved ones too."""
-    response = record["loss_mask"] if mask_retrieved else [1] * len(record["response_ids"])
-    return ([0] * len(record["prompt_ids"]) + list(response))[1:]
-
-
-@torch.no_grad()
-def per_position(fn, seqs: list[list[int]], micro_batch_tokens: int, pad_id: int) -> list[torch.Tensor]:
-    """fn(input_ids, attention_mask) -> [B, T-1] over token-budget micro-batches, split back into
-    one float32 row per sequence (length len(seq) - 1): log-probs of a policy or reference,
-    values of a critic. Right padding changes no row (causal attention)."""
-    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-    for idx in token_budget_batches([len(s) for s in seqs], micro_batch_tokens, random.Random(0)):
-        ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
-        values = fn(ids, attn).float().cpu()
-        for row, i in enumerate(idx):
-            out[i] = values[row, : len(seqs[i]) - 1].clone()
-    return out
-
-
 def sft_train(
     model, examples: list[tuple[list[int], list[int]]], scfg: SFTConfig, pad_id: int, seed: int = 0, probe=None
 ) -> tuple[list[float], list[dict]]:
@@ -274,7 +175,6 @@ def sft_train(
 
 def world_search_tool(cfg: Config, world_path: Path):
     """query -> rendered hits over the world's corpus: the tool the policy uses in rollouts."""
-    from retriever import format_hits, open_search
 
     search = open_search(cfg.retriever, world_path / "corpus.jsonl")
     cache: dict[str, str] = {}
@@ -289,14 +189,10 @@ def world_search_tool(cfg: Config, world_path: Path):
 
 def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str, str]]]:
     """Teacher trajectories for every training question, with real BM25 observations."""
-    from answers import exact_match, last_block
-    from world import Habits, generate_world, hinted_confidence, read_jsonl, teacher_segments
 
     world = generate_world(cfg.world)  # deterministic: the same world as on disk
     countries, cities = world.countries, list(world.city_country)
     if cfg.rollout.protocol != "search_r1":  # the teacher as a policy through rollout.py (teachers.py)
-        from data import make_search_fn
-        from teachers import protocol_trajectories
 
         if cfg.rollout.chat_template:
             raise ConfigError("the tiny world's teachers write plain prompts: set rollout.chat_template: false")
@@ -333,7 +229,6 @@ def copy_probe(cfg: Config, world_path: Path, tool, tokenizer, n: int = 200):
     passage and "<think> P was born in the city of"; the probe is the share of questions whose
     next token(s), argmax and teacher-forced, are the city. Returns model -> accuracy.
     """
-    from world import read_jsonl, teacher_segments
 
     rng = random.Random(0)
     examples = []
@@ -381,7 +276,6 @@ def warn_if_it_cannot_copy(policy_dir: Path) -> None:
 
 def ensure_tiny_policy(cfg: Config) -> Path:
     """Build world, tokenizer and SFT policy once per config key; return the policy dir."""
-    from world import ensure_world_data, world_dir
 
     out = world_dir(cfg)
     policy_dir = out / "policy"
@@ -398,7 +292,6 @@ def ensure_tiny_policy(cfg: Config) -> Path:
             f.write(json.dumps(t) + "\n")
     corpus_texts = [json.loads(line)["contents"] for line in open(out / "corpus.jsonl")]
     texts = corpus_texts + ["".join(s for s, _ in t) for t in trajectories[:2000]]
-    from teachers import PROTOCOL_TAGS
 
     tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir, PROTOCOL_TAGS[cfg.rollout.protocol])
     examples = []
@@ -427,7 +320,16 @@ def ensure_tiny_policy(cfg: Config) -> Path:
     return policy_dir
 
 
-if __name__ == "__main__":
-    from world import main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (default: built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.set)
+    print(describe_precision(cfg), flush=True)
+    print(ensure_tiny_policy(cfg))
 
+
+if __name__ == "__main__":
     main()
+

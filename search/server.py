@@ -35,6 +35,9 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
+from search.index import get_passage, load_index, search_rows
+from search.web import read, web_search
+
 DRAIN_BYTES = 64 * 2**20
 
 
@@ -118,9 +121,6 @@ def create_app(index, limits: Limits):
     """The FastAPI app over a loaded `retriever.Index`."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
-
-    from retriever import get_passage, search_rows
-    from websearch import read, web_search
 
     app = FastAPI(title="search-agent retriever")
     stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0}
@@ -244,8 +244,6 @@ def create_app(index, limits: Limits):
 def serve(args) -> None:
     """`retriever.py serve`: load the index, then run uvicorn until killed."""
     import uvicorn
-
-    from retriever import load_index
 
     index = load_index(args.index, args.corpus, args.search_params, bm25_backend=args.bm25_backend)
     limits = Limits(args.max_queries, args.max_query_chars, args.max_topk)

@@ -1,6 +1,6 @@
 """Evaluation metrics of the five papers, computed from rollout records.
 
-    from metrics import compute_metrics, metrics_by_dataset
+    from report.metrics import compute_metrics, metrics_by_dataset
     m = compute_metrics(records)                 # {"n": 400, "em": 0.61, "acc": 0.61, "ds_reliability": ...}
     m = compute_metrics(records, zeta=5, judge=make_judge(url=..., model=...),
                         reference_records=grpo_records)  # + judge accuracy, VERITAS judge metrics, BAPO eq. 8
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from answers import ACTIONS, exact_match, f1_score, golden_of, parsed, substring_match
+from agent.answers import ACTIONS, exact_match, f1_score, golden_of, parsed, substring_match
 from rewards import answer_verdict, info_think, source_restricting, think_answer, think_search
 
 N_BINS = 15  # ECE bins (issue 6; Guo et al. 2017 use 15 as well)

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-import protocols
-from config import Config, ConfigError, load_config
-from engine import load_policy, load_tokenizer
-from precision import describe as describe_precision
+from agent import protocols
 from rollout import check_chat_template, prompt_ids, tokenize_segments
-from sft import sft_train, teacher_examples, world_search_tool
-from world import FORMAT_VERSION, data_key, ensure_world_data, read_jsonl, world_data_dir
+from tiny.sft import sft_train, teacher_examples, world_search_tool
+from tiny.world import FORMAT_VERSION, data_key, ensure_world_data, read_jsonl, world_data_dir
+from trainer.config import Config, ConfigError, load_config
+from trainer.engine import load_policy, load_tokenizer
+from trainer.precision import describe as describe_precision
 
 # Settings that change the warm start's weights besides the model and the world (the key).
 SFT_KEYS = ("steps", "batch_tokens", "lr", "warmup_steps", "decay_frac", "weight_decay", "train_on_observations",

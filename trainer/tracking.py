@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from config import Config, ConfigError, config_to_dict
+from trainer.config import Config, ConfigError, config_to_dict
 
 try:
     from torch.utils.tensorboard import SummaryWriter

@@ -80,8 +80,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import precision
-from config import Config, ConfigError, ModelConfig, load_config
+from trainer import precision
+from trainer.config import Config, ConfigError, ModelConfig, load_config
 
 GB = 1e9
 OVERHEAD_GB = 2.0  # our allowance for the CUDA context, NCCL buffers and allocator fragmentation

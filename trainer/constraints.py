@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
-from config import ConfigError
+from trainer.config import ConfigError
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""The rollout's search tools, built from config: in process or over HTTP, plain or web-style.
+
+    search = open_search(cfg.retriever, corpus_path)     # (queries, k) -> hits per query
+    search_fn = make_search_fn(cfg, corpus_path, timings)  # queries -> rendered hits (Search-R1)
+    tools = make_search_fn(cfg_deliberative, ...)          # {"search", "read"} (web protocols)
+
+This is the one place that chooses between the index in this process (index.py, with
+WebFilter's operators through web.py) and a retrieval server (server.py's client), so both of
+those stay below it. Building an index imports bm25s (numba): call these after vLLM has
+started in the process (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from search.index import Index, ensure_index, format_hits, load_index
+from search.server import http_retrieve
+from search.web import operator_search, read, web_search
+from trainer.config import Config, ConfigError
+
+
+def open_index(rcfg, corpus_path: str | Path = "") -> Index:
+    """The in-process index of a retriever config: `retriever.index`, else the default index
+    next to the corpus, built on first use."""
+    index_dir = rcfg.index or ensure_index(corpus_path, rcfg.method, rcfg.model, rcfg.index_factory)
+    return load_index(index_dir, search_params=rcfg.search_params, bm25_backend=rcfg.bm25_backend)
+
+
+def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int], list[list[dict]]]:
+    """`(queries, k) -> hits per query`, from config: `retriever.url` (an HTTP server speaking
+    Search-R1's /retrieve), else `retriever.index` (a built index dir), else the default index
+    next to the corpus, built on first use. In process, queries with advanced operators
+    (`site:tinypedia.org`, `-term`, ...) are filtered as websearch.py does."""
+    if rcfg.url:
+        return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=rcfg.retries)
+    index = open_index(rcfg, corpus_path)  # site:, -term, ... honoured (WebFilter's operators)
+    return lambda queries, k: operator_search(index, queries, k)
+
+
+# --------------------------------------------------------------------------------------------
+
+def web_tools(index, k: int = 5, read_tokens: int = 512, tokenizer=None) -> dict:
+    """{"search", "read"} batched over web.py on a built index (deliberative, webfilter)."""
+    return {
+        "search": lambda queries: [web_search(index, q, k) for q in queries],
+        "read": lambda ids: [read(index, i, read_tokens, tokenizer) for i in ids],
+    }
+
+
+def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
+    """The rollout's tools. Search-R1 and BAPO protocols: one batched search, queries -> rendered
+    hits, in process or over HTTP (retriever.open_search). Deliberative and WebFilter protocols:
+    {"search", "read"} over websearch.py (sources with url and date, operators, read by id), in
+    process only. Imports bm25s: call after vLLM has started."""
+    if cfg.rollout.protocol in ("deliberative", "webfilter"):
+        return make_web_tools(cfg, corpus_path, timings)
+    search = open_search(cfg.retriever, corpus_path)
+
+    def search_fn(queries: list[str]) -> list[str]:
+        t = time.time()
+        out = [format_hits(h) for h in search(queries, cfg.retriever.topk)]
+        timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
+        return out
+
+    return search_fn
+
+
+def make_web_tools(cfg: Config, corpus_path: Path, timings: dict) -> dict:
+    """protocols.web_tools on the configured index, each call timed into timings["retrieve"]."""
+    r = cfg.retriever
+    if r.url:
+        raise ConfigError(
+            f"rollout.protocol {cfg.rollout.protocol!r} needs an in-process index (operators, read by id); "
+            "retriever.url is a Search-R1 /retrieve server: set retriever.index instead"
+        )
+    tools = web_tools(open_index(r, corpus_path), k=r.topk, read_tokens=cfg.rollout.max_obs_tokens)
+
+    def timed(fn):
+        def call(items: list[str]) -> list:
+            t = time.time()
+            out = fn(items)
+            timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
+            return out
+
+        return call
+
+    return {name: timed(fn) for name, fn in tools.items()}

@@ -1,0 +1,92 @@
+"""What the two reproductions share (reproduce.py: Search-R1 in miniature; tiny/papers.py: every
+paper's effect): training runs as parallel train.py processes that resume, and the report.
+
+    done = train_runs([(key, "grpo-seed0", "configs/tiny.yaml", ["train.seed=0"])], 2, [], run_dir)
+    last_checkpoint(done[key]["run"])            # runs/.../checkpoints/step_30
+    mean_spread([0.70, 0.74, 0.72])              # '0.720 ± 0.040'  (spread = max - min)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainer.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py runs from here
+
+
+def train_runs(jobs: list[tuple], parallel: int, sets: list[str], run_dir: Path) -> dict:
+    """Every job (key, run name, config, overrides) as its own train.py process, `parallel` at
+    a time. Returns {key: {"run": path, "minutes": m}}."""
+    jobs = list(jobs)
+    threads = 1 if parallel > 1 else 2
+    # vLLM CPU reserves host RAM from gpu_memory_utilization; two runs at 0.3 run out of 24 GB
+    memory = ["rollout.gpu_memory_utilization=0.1"] if parallel > 1 else []
+    running: dict = {}
+    done: dict = {}
+    while jobs or running:
+        while jobs and len(running) < parallel:
+            key, name, config, extra = jobs.pop(0)
+            overrides = [f"train.name={name}", f"train.threads={threads}", f"train.run_dir={run_dir}", *memory,
+                         *extra, *sets]  # fmt: skip
+            cmd = [sys.executable, "train.py", "--config", config, *sum((["--set", o] for o in overrides), [])]
+            earlier = sorted(run_dir.glob(f"{name}-*/checkpoints/step_*"), key=lambda p: int(p.name.split("_")[1]))
+            if earlier:  # the same --run-dir again: keep finished runs, resume killed ones
+                steps = load_config(config, [*extra, *sets]).train.steps
+                if int(earlier[-1].name.split("_")[1]) >= steps:
+                    run = earlier[-1].parents[1]
+                    wall = float((run / "wall_minutes.txt").read_text()) if (run / "wall_minutes.txt").exists() else 0.0
+                    done[key] = {"run": run, "minutes": wall, "earlier": True}
+                    print(f"  {name}: finished earlier ({run})", flush=True)
+                    continue
+                cmd = [sys.executable, "train.py", "--resume", str(earlier[-1].parents[1]),
+                       *sum((["--set", o] for o in (f"train.threads={threads}", *memory)), [])]  # fmt: skip
+            env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+            log = open(run_dir / f"{name}.log", "w")
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            running[key] = (proc, time.time(), name, log)
+            print(f"  started {name}", flush=True)
+        time.sleep(2)
+        for key, (proc, t0, name, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[key]
+            if proc.returncode != 0:
+                for other, *_ in running.values():
+                    other.kill()
+                tail = (run_dir / f"{name}.log").read_text()[-3000:]
+                raise RuntimeError(f"training run {name} failed (log {run_dir / (name + '.log')}):\n{tail}")
+            run = max(run_dir.glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
+            done[key] = {"run": run, "minutes": (time.time() - t0) / 60}
+            (run / "wall_minutes.txt").write_text(f"{done[key]['minutes']:.2f}")  # kept when a rerun reuses it
+            print(f"  finished {name} in {done[key]['minutes']:.1f} min", flush=True)
+    return done
+
+
+def last_checkpoint(run: Path) -> Path:
+    ckpts = sorted((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not ckpts:
+        raise FileNotFoundError(f"no checkpoint in {run / 'checkpoints'}")
+    return ckpts[-1]
+
+
+def mean_spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {max(values) - min(values):.3f}"
+
+
+def finish_report(out: Path, lines: list[str], curves: list[Path], run_dir: Path, data_path: Path, data: dict) -> None:
+    """Append the curves and where the runs are, write the markdown, and the numbers as JSON."""
+    lines = lines + [f"![{p.stem}](curves/{p.name})" for p in curves]
+    lines += ["", f"Runs, logs, rollouts and the trajectory viewer: `{run_dir}` (not committed).", ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    data_path.write_text(json.dumps(data, indent=1, default=str))

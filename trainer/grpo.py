@@ -1,0 +1,351 @@
+"""The GRPO update (and Reliable RFT through it): advantages, the masked clipped loss, the step.
+
+    advantages = group_advantages(rewards, group_ids)          # step 3 of train.py's loop
+    stats = grpo_step(model, ref_model, records, optimizer, cfg, pad_id, step)   # steps 4-5
+
+The equations (GRPO as Search-R1 §3.2 trains it, with DESIGN.md §4's options):
+
+  advantage  A_i = (r_i - mean(r_group)) / (std(r_group) + eps), the same A_i for every token of
+             rollout i; a group with equal rewards has A = 0 (adv_std: group / batch / none)
+  loss       per policy token t (loss_mask = 1; retrieved tokens never count):
+               rho_t = exp(log pi_theta - log pi_old)          pi_old = the engine's logprobs
+               pg_t  = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A)
+               kl_t  = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]   (k3)
+             loss = sum_t m_t (pg_t + beta kl_t) / sum_t m_t   over the whole batch
+             (token-mean; micro-batches divide by the batch's token count, not their own)
+
+Worked example: a group of 4 rewards [1, 0, 0, 1] has mean 0.5 and std 0.577, so the
+advantages are [+0.866, -0.866, -0.866, +0.866]. Every function here is tested by hand in
+tests/test_grpo.py (and the masking in tests/test_masking.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import torch
+
+from agent.answers import parsed
+from trainer.batching import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
+from trainer.config import Config
+from trainer.distributed import all_reduce, balanced_micro_batches, clip_grad_norm
+
+
+def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6, std: str = "group") -> list[float]:
+    """GRPO: (r - mean of the group) / (std + eps); equal rewards give 0.
+
+    std "group" (GRPO), "batch" (one std over the whole batch) or "none" (Dr.GRPO: r - mean).
+
+    >>> [round(a, 3) for a in group_advantages([1, 0, 0, 1], ["q"] * 4)]
+    [0.866, -0.866, -0.866, 0.866]
+    >>> group_advantages([1, 0, 0, 1], ["q"] * 4, std="none")
+    [0.5, -0.5, -0.5, 0.5]
+    """
+    groups: dict[str, list[float]] = {}
+    for r, g in zip(rewards, group_ids):
+        groups.setdefault(g, []).append(r)
+    mean = {g: sum(rs) / len(rs) for g, rs in groups.items()}
+    centred = [r - mean[g] for r, g in zip(rewards, group_ids)]
+    if std == "none":
+        return centred
+
+    def unbiased_std(xs: list[float]) -> float:  # as torch.std
+        m = sum(xs) / len(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1))
+
+    if std == "batch":
+        s = unbiased_std(list(rewards))
+        return [c / (s + eps) for c in centred]
+    sd = {g: unbiased_std(rs) for g, rs in groups.items()}
+    return [c / (sd[g] + eps) for c, g in zip(centred, group_ids)]
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman 2020; DESIGN §4):
+    k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 ("low_var_kl") = exp(ref - logp) - (ref - logp) - 1,
+    clamped to [-10, 10]. k1 is unbiased but noisy, k3 unbiased and >= 0, k2 biased but low-variance."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    return (torch.exp(-log_ratio) + log_ratio - 1).clamp(-10, 10)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return kl_estimate(logp, ref_logp, "k3")
+
+
+def grpo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    clip_eps: float,
+    kl_coef: float,
+    clip_eps_high: float = 0.0,
+    dual_clip: float = 0.0,
+    kl_kind: str = "k3",
+    is_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss (w * PPO-clip policy term + beta * KL), its KL part and whether it clipped.
+
+    pg = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)); eps_high = eps_low unless given
+    (DAPO's clip-higher). Dual-clip (c > 1, for A < 0 only) caps pg at -c A, so a huge ratio on a
+    bad token cannot blow the loss up. `is_weight` w (truncated importance sampling,
+    train.is_correction) corrects the policy-gradient term only, as verl's rollout correction
+    does: the KL term is a penalty on the trainer's own logprobs, not an estimate under the
+    engine's sampling distribution.
+    """
+    ratio = torch.exp(logp - old_logp)
+    high = clip_eps_high or clip_eps
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip > 1:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    was_clipped = (loss != unclipped).float()
+    if is_weight is not None:
+        loss = loss * is_weight
+    kl = kl_estimate(logp, ref_logp, kl_kind) if ref_logp is not None else torch.zeros_like(logp)
+    return loss + kl_coef * kl, kl, was_clipped
+
+
+def loss_weights(policy_tokens: list[int], mode: str, norm: int) -> list[float]:
+    """Per-sequence weight w_i so that the loss is sum_i w_i sum_t m_it l_it (DESIGN §4):
+
+      token-mean               w_i = 1 / sum_j n_j           (every policy token counts the same)
+      seq-mean-token-mean      w_i = 1 / (N n_i)             (every rollout counts the same)
+      seq-mean-token-sum-norm  w_i = 1 / (N norm)            (Dr.GRPO: no length bias)
+
+    >>> loss_weights([1, 3], "seq-mean-token-mean", 0)
+    [0.5, 0.16666666666666666]
+    """
+    n = len(policy_tokens)
+    if mode == "seq-mean-token-mean":
+        return [1.0 / (n * max(1, k)) for k in policy_tokens]
+    if mode == "seq-mean-token-sum-norm":
+        return [1.0 / (n * norm)] * n
+    return [1.0 / max(1, sum(policy_tokens))] * n
+
+
+def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[dict]:
+    """Per rollout, the per-position arrays the loss needs (position t-1 predicts token t, so
+    each has len(prompt + response) - 1 entries):
+
+      ids         prompt + response token ids
+      loss_mask   1 where the loss counts: sampled tokens (mask_retrieved) or the whole response
+      sampled     1 where the engine sampled the token (it has a logprob); 0 on prompt/retrieved
+      engine_logp the engine's logprob of each sampled token (pi_old as vLLM computed it)
+      adv         the advantage of each position (GRPO: the rollout's A_i everywhere; PPO: GAE)
+    """
+    out = []
+    for r in records:
+        n = len(r["prompt_ids"])
+        sampled = policy_positions(r)
+        adv = r["advantages"] if "advantages" in r else [float(r.get("advantage", 0.0))] * len(sampled)
+        out.append({
+            "ids": r["prompt_ids"] + r["response_ids"],
+            "loss_mask": torch.tensor(policy_positions(r, mask_retrieved), dtype=torch.float32),
+            "sampled": torch.tensor(sampled, dtype=torch.float32),
+            "engine_logp": torch.tensor(([0.0] * n + list(r["logprobs"]))[1:], dtype=torch.float32),
+            "adv": torch.as_tensor(adv, dtype=torch.float32),
+        })  # fmt: skip
+    return out
+
+
+def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int, bf16: bool = False) -> list:
+    """log pi(token t | tokens < t) of every position of every sequence, no gradient: the
+    reference model's logprobs, or pi_old recomputed by the trainer before the first update."""
+    device = _compute_device(model)
+
+    def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        with _autocast(bf16):
+            return token_logprobs(model, ids.to(device), attn.to(device))
+
+    return per_position(logprobs, [s["ids"] for s in seqs], micro_batch_tokens, pad_id)
+
+
+def _compute_device(model) -> torch.device:
+    """Where the forward runs: this process's GPU, even when FSDP offloads parameters to the host."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return next(model.parameters()).device
+
+
+def _autocast(bf16: bool):
+    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=bf16)
+
+
+def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad_id: int,
+              step: int = 0, rank: int = 0, world: int = 1) -> dict:  # fmt: skip
+    """`epochs` x `mini_batches` optimizer steps on one batch of scored rollouts (`advantage`
+    or per-position `advantages` set). Returns the batch means of loss, KL, clip fraction,
+    entropy, gradient norm.
+
+    pi_old is the engine's sampling logprob for a single on-policy update; with several
+    updates (or `recompute_old_logprobs`) it is recomputed by the trainer before the first one,
+    so the ratio compares trainer with trainer. `is_correction` C then weights each token by
+    min(pi_trainer_old / pi_engine, C) (truncated importance sampling: the engine's numerics
+    differ from the trainer's). With `world` > 1 processes (FSDP), each takes its share of
+    every mini-batch; weights are computed on the whole mini-batch, so the loss does not depend
+    on the number of processes.
+    """
+    tcfg = cfg.train
+    seqs = sequence_tensors(records, tcfg.mask_retrieved)
+    kl_coef = 0.0 if tcfg.kl_in_reward else tcfg.kl_coef  # in the reward already (kl_penalties)
+    mbt = tcfg.micro_batch_tokens
+    ref = batch_logprobs(ref_model, seqs, mbt, pad_id, tcfg.bf16) if ref_model is not None and kl_coef > 0 else None
+    updates = tcfg.epochs * tcfg.mini_batches
+    recompute = updates > 1 or tcfg.recompute_old_logprobs or tcfg.is_correction > 0
+    old = batch_logprobs(model, seqs, mbt, pad_id, tcfg.bf16) if recompute else [s["engine_logp"] for s in seqs]
+    is_weight = [torch.ones_like(s["engine_logp"]) for s in seqs]
+    if tcfg.is_correction > 0:
+        is_weight = [torch.exp(o - s["engine_logp"]).clamp(max=tcfg.is_correction) * s["sampled"] + (1 - s["sampled"])
+                     for o, s in zip(old, seqs)]  # fmt: skip
+    rng = random.Random(tcfg.seed * 1000003 + step)  # mini-batch order: a function of the step (exact resume)
+    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    n_tokens_all = 0.0
+    engine_gap = None
+    model.train()
+    for _ in range(tcfg.epochs):
+        order = list(range(len(seqs)))
+        if tcfg.mini_batches > 1:
+            rng.shuffle(order)
+        for part in range(tcfg.mini_batches):
+            mini = order[part :: tcfg.mini_batches]
+            stats = _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_id, kl_coef, rank, world)
+            for key in totals:
+                totals[key] += stats[key] / updates
+            n_tokens_all += stats["policy_tokens"] / updates
+            if engine_gap is None:  # before the first optimizer step the trainer holds the engine's weights
+                engine_gap = stats["engine_logp_gap"]
+    model.eval()
+    # engine_logp_gap: how far the engine's sampling logprobs are from the trainer's on the same
+    # weights (at temperature 1, top_p 1): below 1e-4 in fp32 (up to 8e-5 on SmolLM2's 30 layers);
+    # large means a stale sync
+    return totals | {"policy_tokens": n_tokens_all, "engine_logp_gap": engine_gap or 0.0}
+
+
+def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_id, kl_coef, rank, world) -> dict:
+    """One optimizer step on the mini-batch `mini` (indices into seqs); this process does the
+    micro-batches of its share, padded with zero-weight repeats so every process runs the same
+    number of forward passes (FSDP's collectives must line up)."""
+    tcfg = cfg.train
+    device = _compute_device(model)
+    counts = [float(seqs[i]["loss_mask"].sum()) for i in mini]
+    n_tokens = sum(counts)  # the token-mean denominator of the whole mini-batch
+    norm = tcfg.loss_norm_tokens or cfg.rollout.max_model_len
+    weight = dict(zip(mini, loss_weights([int(c) for c in counts], tcfg.loss_agg, norm)))
+    share = mini[rank::world]
+    runs = balanced_micro_batches(share, [len(seqs[i]["ids"]) for i in share], tcfg.micro_batch_tokens, world, mini[:1])
+    model.zero_grad(set_to_none=True)  # not optimizer's: see make_optimizer
+    sums = torch.zeros(4)  # loss, kl, clipped, entropy: sums over policy tokens
+    gap = torch.zeros(())  # max |log pi_trainer - log pi_engine| over sampled tokens
+    for idx, real in runs:
+        width = max(len(seqs[i]["ids"]) for i in idx)
+        ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
+        ids, attn = ids.to(device), attn.to(device)
+        m = pad_rows([seqs[i]["loss_mask"] for i in idx], width - 1).to(device)
+        # x world: FSDP averages gradients over processes; x real: a padding repeat adds nothing
+        w = torch.tensor([weight[i] for i in idx], device=device)[:, None] * world * real
+        with _autocast(tcfg.bf16):
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp_all = torch.log_softmax(logits.float(), -1)
+        logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        sampled = pad_rows([seqs[i]["sampled"] for i in idx], width - 1).to(device)
+        # Retrieved tokens were never sampled, so there is no pi_old for them; in the no-mask
+        # ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
+        old_logp = torch.where(sampled > 0, pad_rows([old[i] for i in idx], width - 1).to(device), logp.detach())
+        engine_logp = pad_rows([seqs[i]["engine_logp"] for i in idx], width - 1).to(device)
+        gap = torch.maximum(gap, ((logp.detach() - engine_logp).abs() * sampled).max().cpu())
+        ref_logp = pad_rows([ref[i] for i in idx], width - 1).to(device) if ref is not None else None
+        adv = pad_rows([seqs[i]["adv"] for i in idx], width - 1).to(device)
+        tok_loss, kl, clipped = grpo_token_loss(
+            logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip,
+            tcfg.kl_estimator, pad_rows([is_weight[i] for i in idx], width - 1).to(device),
+        )  # fmt: skip
+        with torch.set_grad_enabled(tcfg.entropy_coef > 0):
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        loss = ((tok_loss - tcfg.entropy_coef * entropy) * m * w).sum()
+        loss.backward()
+        with torch.no_grad():
+            for j, value in enumerate((tok_loss, kl, clipped, entropy)):
+                sums[j] += float((value * m).sum()) * real
+    sums, gap = all_reduce(sums, world, "sum"), all_reduce(gap, world, "max")
+    grad_norm = clip_grad_norm(model, tcfg.grad_clip)
+    optimizer.step()
+    denom = max(n_tokens, 1.0)
+    return {"loss": float(sums[0]) / denom, "kl": float(sums[1]) / denom, "clip_frac": float(sums[2]) / denom,
+            "entropy": float(sums[3]) / denom, "grad_norm": grad_norm, "policy_tokens": n_tokens,
+            "engine_logp_gap": float(gap)}  # fmt: skip
+
+
+def memory_savers(model, cfg: Config):
+    """Gradient checkpointing by config: keep only each layer's input and recompute the rest in
+    the backward pass (about a third more compute for a fraction of the activation memory)."""
+    if cfg.train.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up over `warmup_frac` of the steps, then constant (Search-R1's schedule) or,
+    with `lr_schedule: cosine`, a half cosine from lr towards 0 (BAPO's RFT, Table 5). A function
+    of the step, so a resumed run needs no scheduler state.
+
+    steps 10, warmup_frac 0.2, lr 1: constant 0.5 1 1 1 ...; cosine 0.5 1 0.97 0.88 ... 0.03"""
+    warm = cfg.train.warmup_frac * cfg.train.steps
+    if warm >= 1 and step + 1 < warm:
+        return cfg.train.lr * (step + 1) / warm
+    if cfg.train.lr_schedule == "cosine":
+        start = math.ceil(warm) - 1 if warm >= 1 else 0  # the first step at full lr
+        progress = (step - start) / max(1, cfg.train.steps - start)
+        return cfg.train.lr * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.train.lr
+
+
+def kl_per_position(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[torch.Tensor]:
+    """KL_t(pi_old || ref) on every sampled token of each rollout (0 elsewhere), pi_old being the
+    engine's sampling logprobs: the KL that `kl_in_reward` puts into the reward."""
+    seqs = sequence_tensors(records)
+    ref = batch_logprobs(ref_model, seqs, cfg.train.micro_batch_tokens, pad_id, cfg.train.bf16)
+    return [kl_estimate(s["engine_logp"], r, cfg.train.kl_estimator) * s["sampled"] for s, r in zip(seqs, ref)]
+
+
+def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[float]:
+    """sum_t KL_t per rollout (kl_per_position): what GRPO's `kl_in_reward` subtracts from the
+    reward (times kl_coef) before the advantages."""
+    return [float(k.sum()) for k in kl_per_position(ref_model, records, cfg, pad_id)]
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Reliable RFT (BAPO's baseline): fine-tuning on the accepted rollouts through the same step.
+
+
+def rft_select(records: list[dict], accept: float) -> list[dict]:
+    """Reliable RFT (BAPO's baseline): keep the rollouts the reward accepts (reward >= accept);
+    for a question with none, keep one that says "I don't know" if there is one."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(str(r["group_id"]), []).append(r)
+    kept = []
+    for rs in groups.values():
+        good = [r for r in rs if r["reward"] >= accept]
+        kept += good or [r for r in rs if parsed(r).idk][:1]
+    return kept
+
+
+def rft_step(model, records: list[dict], optimizer, cfg: Config, pad_id: int, step: int) -> dict:
+    """Fine-tune on the kept rollouts: the policy loss with A = 1 and pi_old recomputed (= pi_theta),
+    whose gradient at the first update is the token-mean NLL gradient of the kept policy tokens."""
+    for r in records:
+        r["advantage"] = 1.0
+    sft_cfg = copy.deepcopy(cfg)
+    sft_cfg.train.recompute_old_logprobs, sft_cfg.train.kl_coef, sft_cfg.train.is_correction = True, 0.0, 0.0
+    return grpo_step(model, None, records, optimizer, sft_cfg, pad_id, step)
+
