@@ -15,9 +15,9 @@ Modes (the baselines of Search-R1 Table 2 / BAPO Table 1, on the same questions)
   agentic   the policy's own protocol with its tools (what training rolls out)
   reliable  agentic, with the reliable prompt: "I don't know" allowed, a confidence asked for
 All modes roll out greedily, one per question. Each (model, mode) is a row of the table, each
-dataset x metric a column (metrics.py defines every metric: EM, F1, accuracy, reliability, FC%,
+dataset x metric a column (report/metrics.py defines every metric: EM, F1, accuracy, reliability, FC%,
 IDK rate, ECE, faithfulness, searches, ...). The output directory gets results.md / .csv /
-.json, rollouts/<row>__<dataset>.jsonl and viewer.html (viewer.py).
+.json, rollouts/<row>__<dataset>.jsonl and viewer.html (report/viewer.py).
 
 `evaluate` (used by train.py for its periodic validation) returns the same metrics overall and
 per `metadata.type` (the tiny world: 1hop, 2hop), e.g.
@@ -67,7 +67,7 @@ def summarize(records: list[dict]) -> dict:
         meta = r.get("metadata", {})
         by_type[""].append(r)
         by_type[meta.get("type", "")].append(r)
-        if categories:  # "plain", "unanswerable" or "misinfo" (world.py); plain + misinfo = answerable
+        if categories:  # "plain", "unanswerable" or "misinfo" (tiny/world.py); plain + misinfo = answerable
             by_type[meta.get("category", "plain")].append(r)
             if meta.get("category") != "unanswerable":
                 by_type["answerable"].append(r)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--zeta", type=float, default=5, help="confidence threshold of reliability / FC%% (1-10)")
     parser.add_argument("--out", help="output directory (default runs/eval-<time>)")
-    parser.add_argument("--judge-url", default="", help="OpenAI-compatible judge server: adds judge_acc (judge.py)")
+    parser.add_argument("--judge-url", default="", help="OpenAI-compatible judge server: adds judge_acc")
     parser.add_argument("--judge-model", default="", help="the judge server's model name")
     parser.add_argument("--reference", default="",
                         help="row name whose rollouts the other rows' IDK answers are held against "

@@ -1,14 +1,14 @@
 """Classroom reproduction on the embedded tiny world: train, evaluate, write results/tiny.md.
 
-    python eval.py reproduce --world tiny                   # 3 seeds, 2 runs at a time
-    python eval.py reproduce --world tiny --seeds 0 --set train.steps=10 --out /tmp/tiny.md
+    python reproduce.py --world tiny                   # 3 seeds, 2 runs at a time
+    python reproduce.py --world tiny --seeds 0 --set train.steps=10 --out /tmp/tiny.md
 
 What it does, in order (all on CPU, the cached world and SFT start reused when present):
-  1. builds the tiny world, its tokenizer and the SFT warm start (world.py; cached in cache/)
+  1. builds the tiny world, its tokenizer and the SFT warm start (tiny/world.py; cached in cache/)
   2. trains GRPO with search (configs/tiny.yaml) and Search-R1's ablation without the
      retrieved-token loss mask (train.mask_retrieved false), one run per seed, `--parallel`
      at a time with one torch thread each (two threads per run on two cores is far slower)
-  3. evaluates greedily on the held-out test questions (eval.run_eval, metrics.py):
+  3. evaluates greedily on the held-out test questions (eval.run_eval, report/metrics.py):
      direct answer and naive RAG (the SFT policy in eval.py's baseline modes), the SFT start
      with search, and every trained run's last checkpoint
   4. writes the table (mean ± spread over seeds, spread = max - min; the baselines are greedy
@@ -60,7 +60,7 @@ def results_table(rows: dict, seeds: list[int]) -> str:
 
 def draw_curves(done: dict, out_dir: Path) -> list[Path]:
     """Validation EM (2-hop) against step for every run, one panel per variant, plus each
-    seed-0 run's own plots.py figures."""
+    seed-0 run's own report/plots.py figures."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,13 +99,13 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="eval.py reproduce", description=__doc__,
+    parser = argparse.ArgumentParser(prog="reproduce.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument(
         "--world",
         default="tiny",
         choices=["tiny", "papers"],
-        help="tiny: Search-R1 in miniature (this file); papers: every paper's effect (tiny_papers.py)",
+        help="tiny: Search-R1 in miniature (this file); papers: every paper's effect (tiny/papers.py)",
     )
     parser.add_argument("--config", default="configs/tiny.yaml", help="training config of the GRPO runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed of each run")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", default="", help="where runs go (default runs/reproduce-<time>)")
     world = argparse.ArgumentParser(add_help=False)
     world.add_argument("--world", default="tiny")
-    if world.parse_known_args(argv)[0].world == "papers":  # its own options and --help (tiny_papers.py)
+    if world.parse_known_args(argv)[0].world == "papers":  # its own options and --help (tiny/papers.py)
 
         return papers_main(argv)
     args = parser.parse_args(argv)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
 def write_report(out: Path, args, rows, done, timings, curves, run_dir: Path, test_file: Path) -> None:
     n_test = next(iter(next(iter(rows.values())).values()))["n"]
     per_run = [info["minutes"] for info in done.values()]
-    cmd = "python eval.py reproduce --world tiny" + "".join(
+    cmd = "python reproduce.py --world tiny" + "".join(
         f" {flag} {' '.join(map(str, val)) if isinstance(val, list) else val}"
         for flag, val in (("--seeds", args.seeds), ("--parallel", args.parallel))
         if val != {"--seeds": [0, 1, 2], "--parallel": 2}[flag]

@@ -12,7 +12,7 @@ them as `Doc i(Title: t) text` inside <information>; Deliberative Searcher §3.1
 source, WebFilter §3 search operators. The code lives in `search/`:
   index.py   corpus spans, BM25 (bm25s), dense (encoder + faiss), hybrid (RRF); load with mmap
   web.py     web-style search with operators (site:, before:, "phrase", -term, AND/OR/NOT), READ
-  server.py  the HTTP server with request limits and batching, and the client with a timeout
+  search/server.py  the HTTP server with request limits and batching, and the client with a timeout
   tools.py   what a rollout calls: the in-process index or the server, chosen by `retriever.*`
 """
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--index", required=True, help="index directory")
     r.add_argument("key", help="passage id or url")
     r.add_argument("--max-tokens", type=int, default=512, help="budget in words (default 512)")
-    v = sub.add_parser("serve", help="serve an index over HTTP (Search-R1's POST /retrieve); see server.py")
+    v = sub.add_parser("serve", help="serve an index over HTTP (Search-R1's POST /retrieve); see search/server.py")
     v.add_argument("--index", required=True, help="index directory")
     v.add_argument("--corpus", default="", help="corpus jsonl, if it moved since the build")
     v.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")

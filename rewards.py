@@ -31,6 +31,9 @@ Composition: a config names a reward ("deliberative") or a weighted sum of table
 ("0.9*em + 0.1*think_answer"); parameters go in `train.reward_params`. Offline audit:
 
     python rewards.py --reward bapo --input rollouts.jsonl --output scores.jsonl
+
+One file on purpose (about 530 lines): the five papers' rewards side by side in one table is
+what a reader compares and a fork edits; the parsing and the judge they share live in agent/.
 """
 
 from __future__ import annotations

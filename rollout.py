@@ -1,7 +1,7 @@
 """Multi-turn search rollouts: one tool loop for every paper's agent protocol.
 
 One call, `rollout_batch`, turns questions into rollout records (DESIGN.md §2). The protocol
-(`rollout.protocol`, protocols.py: search_r1, bapo, deliberative, webfilter) decides the prompt,
+(`rollout.protocol`, agent/protocols.py: search_r1, bapo, deliberative, webfilter) decides the prompt,
 the stop strings, how a turn's text becomes tool calls and how results are shown; the loop and
 the token bookkeeping below are the same for all. Search-R1, the default:
 
@@ -175,7 +175,7 @@ def rollout_batch(
 
     search_fn(list[str]) -> list[str]: rendered hits for each query, one batched call for the
     trajectories that stopped together; or a dict of such batched tools, {"search": .., "read": ..}
-    (protocols.web_tools), whose results may be websearch.py dicts (the protocol renders them).
+    (search.tools.web_tools), whose results may be search/web.py dicts (the protocol renders them).
     Group ids are `group_prefix + question id`, so ids from several datasets cannot collide as
     long as question ids are unique within a dataset and the prefix names the dataset.
 
@@ -395,7 +395,7 @@ def _record(s: _State, tokenizer, proto: Protocol | None = None) -> dict:
         return record  # Search-R1's record, exactly as before protocols existed
     if any("block" in c for c in s.chunks):  # chat tool messages: the transcript in the protocol's tags
         record["response"] = "".join(c.get("block", c["text"]) for c in s.chunks)
-    p = parse_response(record.get("response", response_text))  # the rewards' parser (answers.py)
+    p = parse_response(record.get("response", response_text))  # the rewards' parser (agent/answers.py)
     answered = s.finish == "answer"
     record.update({
         "num_searches": sum(c.get("name", "search") == "search" for c in s.tool_calls),

@@ -28,10 +28,10 @@ update_stage with grpo_step / ppo_update / rft_step, sync_stage, then run_eval a
   6. sync      push the new weights into the vLLM engine (engine.load_weights)
 
 Variants of the same loop (config train.*): `constraints` add Lagrange multipliers to the reward
-(constraints.py, Deliberative Searcher Alg. 1); `algo: ppo` replaces step 3 with a critic and
-GAE (ppo.py); `algo: rft` keeps only accepted rollouts and fine-tunes on them (BAPO's
+(trainer/constraints.py, Deliberative Searcher Alg. 1); `algo: ppo` replaces step 3 with a critic and
+GAE (trainer/ppo.py); `algo: rft` keeps only accepted rollouts and fine-tunes on them (BAPO's
 baseline); `reward: bapo` adds BAPO's resampling and stage switch. Several processes
-(`accelerate launch --multi_gpu`, distributed.py): each rank's own engine rolls out a block of
+(`accelerate launch --multi_gpu`, trainer/distributed.py): each rank's own engine rolls out a block of
 the step's questions (whole groups) and each rank scores the groups it rolled out; the records
 are gathered, so every rank computes the same advantages, constraint terms and metrics as one
 process would; every rank runs step 5 on its FSDP shard, and step 6 gathers the full weights one
@@ -42,8 +42,11 @@ the advantages are [+0.866, -0.866, -0.866, +0.866].
 
 The run directory `runs/<name>-<time>/` holds config.yaml (resolved), metrics.jsonl (one line
 per step, plus eval lines), samples/step_<k>.jsonl (rollout records) and checkpoints/step_<k>/
-(checkpoint.py: weights, optimizer, RNG, data order, lambda, ...). `python eval.py curves RUN`
+(trainer/checkpoint.py: weights, optimizer, RNG, data order, lambda, ...). `python eval.py curves RUN`
 draws it.
+
+One file on purpose (about 530 lines): the whole step, read top to bottom, is what this file is
+for; the update math is trainer/grpo.py and trainer/ppo.py, everything else is in trainer/.
 """
 
 from __future__ import annotations
@@ -270,7 +273,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     check_chat_template(tokenizer, cfg.rollout, start_dir)  # before any engine starts
     timings: dict[str, float] = {}
     # an engine per process (per tensor-parallel group): vLLM's external_launcher joins the
-    # launcher's processes; "file": each engine in a process of its own (engine.py)
+    # launcher's processes; "file": each engine in a process of its own (trainer/engine.py)
     engine = make_engine(
         cfg.rollout.engine, start_dir, cfg.rollout, cfg.model.dtype, seed=cfg.train.seed,
         separate_process=world > 1 and cfg.rollout.weight_sync == "file",

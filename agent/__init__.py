@@ -1,0 +1,2 @@
+"""What the agent writes and how it is read: protocols.py (tags and tools of each paper's agent),
+answers.py (the one parser of model output; EM / F1), judge.py (LLM or rule judge)."""

@@ -31,14 +31,14 @@ action" observation and costs its turn; it never raises. search_r1 keeps Search-
 exactly as before: a closing </search> without a block ends the rollout (finish "format").
 
 Calls are dicts: {"name": "search", "query": q} or {"name": "read", "id": x} (search_r1's are
-{"query": q}: its tool log predates the names; metrics.py counts a nameless entry as a search).
-Parsing goes through answers.py, the parser the rewards use, so it is written once.
+{"query": q}: its tool log predates the names; report/metrics.py counts a nameless entry as a search).
+Parsing goes through agent/answers.py, the parser the rewards use, so it is written once.
 The format check (answers._structure_ok) accepts a <confidence> after any think (deliberative's
 step confidences) and on the final answer; the reward reads the final answer's
 (tests/test_protocols.py: test_deliberative_reward_accepts_step_confidences).
 
 Tools (rollout_batch's `search_fn`): a batched callable (queries -> results), or a dict of them,
-{"search": .., "read": ..}; `web_tools` builds both on websearch.py. A result is text, or a
+{"search": .., "read": ..}; `web_tools` builds both on search/web.py. A result is text, or a
 websearch dict ({"results": [..]} / {"title", "text"} / {"error": ..}) that `show` renders.
 """
 
@@ -222,7 +222,7 @@ def show_deliberative(call: dict, result) -> tuple[str, str | None]:
 
 
 def show_web(call: dict, result) -> tuple[str, str | None]:
-    """WebFilter: each query's results as title | url | date and a snippet (websearch.py's format)."""
+    """WebFilter: each query's results as title | url | date and a snippet (search/web.py's format)."""
     if isinstance(result, str):
         text = result
     elif not isinstance(result, dict) or "results" not in result:

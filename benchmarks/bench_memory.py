@@ -1,4 +1,6 @@
-"""Memory and compute efficiency of one GRPO training step (train.grpo_step) on a real model.
+"""Memory and compute efficiency of one GRPO training step (grpo.grpo_step) on a real model.
+
+One file on purpose (about 530 lines): its three parts share one model, one batch and one report.
 
     python benchmarks/bench_memory.py [--parts rss,padding,flops] [--reps 3] [--mmap-threshold]
 
@@ -9,10 +11,10 @@ GGUF into fp32 safetensors in models/smollm2-135m-instruct/).
 
 Parts (each prints its table; `--json` also writes the raw numbers):
 
-  rss      peak RSS of train.grpo_step (2 real optimizer steps: 8-bit Adam allocates its
+  rss      peak RSS of grpo.grpo_step (2 real optimizer steps: 8-bit Adam allocates its
            state in the first) on 8 fake rollouts of 512 tokens (prompt 64, then policy
            runs of 96 tokens and retrieved runs of 64, masked), fp32, no reference model,
-           in four configurations: baseline (AdamW), gradient checkpointing (train.memory_savers),
+           in four configurations: baseline (AdamW), gradient checkpointing (grpo.memory_savers),
            8-bit AdamW (bitsandbytes, distributed.make_optimizer), both. Each configuration runs in
            a fresh subprocess; peak = ru_maxrss after the steps, also minus the RSS right
            after loading the model (weights paged in). `--rss-reps 2` runs the four again in
@@ -21,7 +23,7 @@ Parts (each prints its table; `--json` also writes the raw numbers):
            Skipped when /proc/meminfo has less than ~13 GB available (`--force`).
   padding  padded positions / all positions of the micro-batches, on the lengths of the saved
            tiny-world rollouts (runs/*/samples/*.jsonl), in simulated steps of 128 rollouts:
-           sft.token_budget_batches (as train.py; budgets 8192, 4096, 2048) vs naive fixed-size
+           batching.token_budget_batches (as train.py; budgets 8192, 4096, 2048) vs naive fixed-size
            batches of the same mean size in random order.
   flops    training-step FLOP/s of grpo_step (train.bf16 True and False) against the matmul
            ceiling (2048x2048 bf16 and fp32 torch.matmul), alternated in one process, median

@@ -31,15 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search.index import (  # noqa: E402
-    bm25_tokenize,
-    build_index,
-    encode,
-    get_passage,
-    load_index,
-    search,
-    search_rows,
-)
+from search.corpus import get_passage  # noqa: E402
+from search.index import bm25_tokenize, build_index, encode, load_index, search, search_rows  # noqa: E402
 from tiny.world import generate_world, write_jsonl  # noqa: E402
 from trainer.config import WorldConfig, load_config  # noqa: E402
 

@@ -1,5 +1,8 @@
 """Cross-check against a peer: our GRPO loss, gradients, KL and advantages against TRL's own code.
 
+One file on purpose (about 640 lines): each section sits beside the TRL lines it mirrors, and the
+notes that explain each difference sit beside the section that measures it.
+
     python benchmarks/bench_trl.py     # first run installs TRL into benchmarks/bench_cache/trl_pkgs
 
 TRL 1.16.0 (PINNED below; it needs transformers >= 4.56.2, 5.19.0 here) is never a dependency of
@@ -59,7 +62,7 @@ check                                ours <-> TRL                           max|
 -----------------------------------------------------------------------------------------------------------
 -- per-token logprobs on policy tokens (TRL: _get_per_token_logps_and_entropies, fused LM head)
 logp fp64 (grpo_step's lines)        log_softmax+gather <-> fused head    6.07e-07  8.33e-08  1e-05  PASS
-logp fp32 (sft.token_logprobs)       log_softmax+gather <-> fused head    2.38e-06  3.27e-07  1e-05  PASS
+logp fp32 (batching.token_logprobs)       log_softmax+gather <-> fused head    2.38e-06  3.27e-07  1e-05  PASS
 -- advantages (grpo.group_advantages <-> the block of GRPOTrainer._generate_and_score_completions)
 advantages, adv_eps=1e-6 (default)   std=group <-> scale_rewards=group    3.21e-04  2.14e-04  1e-06  DIFF [1]
 advantages, adv_eps=1e-4 (aligned)   std=group <-> scale_rewards=group    2.23e-08  1.49e-08  1e-06  PASS
@@ -469,7 +472,7 @@ def main() -> int:
     cur_c = cur[:, P - 1 : P - 1 + C]
     on = mask > 0
     row("logp fp64 (grpo_step's lines)", "log_softmax+gather <-> fused head", cur_c[on], trl_logp[on], 1e-5)
-    row("logp fp32 (sft.token_logprobs)", "log_softmax+gather <-> fused head", ours32[on], trl_logp[on], 1e-5)
+    row("logp fp32 (batching.token_logprobs)", "log_softmax+gather <-> fused head", ours32[on], trl_logp[on], 1e-5)
 
     # ---- advantages
     section("advantages (grpo.group_advantages <-> the block of GRPOTrainer._generate_and_score_completions)")

@@ -8,7 +8,7 @@
 
 A record is the dict rollout.py builds, or any dict with "response" (or "response_text") and
 "golden_answers" (rewards.py's CLI schema). Text is read only through answers.parsed (the one
-parser); EM / F1 / substring / IDK come from answers.py, the judge verdicts and the faithfulness
+parser); EM / F1 / substring / IDK come from agent/answers.py, the judge verdicts and the faithfulness
 components from rewards.py. No rollout is ever dropped: a broken format is a wrong or answer-less
 rollout in every denominator, and is counted in `format_violation` as well. A metric that is not
 defined on the input (no judge, no confidence stated, AUROC with one class, prec when every
@@ -88,7 +88,7 @@ def correctness(records: list[dict], judge=None) -> list[float]:
 
 
 def answer_metrics(records: list[dict]) -> dict:
-    """Means over rollouts of answers.py's metrics of the final answer (answers.parsed(r).answer,
+    """Means over rollouts of agent/answers.py's metrics of the final answer (answers.parsed(r).answer,
     the last <answer> block, unboxed; None scores 0):
       em     exact match after SQuAD normalisation, best over golden answers (Search-R1 §3.4)
       f1     SQuAD word-level F1, best over golden answers
@@ -310,7 +310,7 @@ def behaviour_metrics(records: list[dict]) -> dict:
                         <read> blocks in the response
       operator_use      share of rollouts with a query using an advanced operator: rewards.
                         source_restricting (WebFilter R_src, eq. 2-4: site:, -site:, before:,
-                        after:, "phrase", AND / OR / NOT, -term; the operators websearch.py honours)
+                        after:, "phrase", AND / OR / NOT, -term; the operators search/web.py honours)
       turns             record["turns"] (generation rounds), else 1 + the actions in the response
       response_tokens   policy tokens, sum(loss_mask) (tool output excluded); absent unless every
                         rollout has a loss_mask
@@ -349,7 +349,7 @@ def behaviour_metrics(records: list[dict]) -> dict:
 
 def compute_metrics(records: list[dict], zeta: float = 5, judge=None, reference_records: list[dict] | None = None,
                     n_bins: int = N_BINS) -> dict:  # fmt: skip
-    """Every metric above on one list of rollouts (one dataset, or pooled). `judge` (judge.py's
+    """Every metric above on one list of rollouts (one dataset, or pooled). `judge` (agent/judge.py's
     client, or anything with prompt(kind, **fields) and verdicts(prompts)) adds judge_acc,
     info_think and think_search and makes `acc` judged; None leaves those absent and acc = EM.
     `reference_records` (a second model's rollouts on the same questions) adds

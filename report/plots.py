@@ -1,13 +1,13 @@
 """Training curves from a run's metrics.jsonl: one PNG per family of series.
 
     python eval.py curves runs/tiny-20261122-010203          # writes runs/.../curves/*.png
-    python plots.py runs/tiny-20261122-010203                 # the same
+    python eval.py curves runs/tiny-20261122-010203                 # the same
 
 Families (a figure is drawn only when its series were logged):
   reward     the reward and each reward component (reward/<name>)
   accuracy   training-batch EM and the evaluations' EM (overall and per question type)
   lagrangian each constraint's multiplier lambda/<name> and statistic constraint/<name>, with
-             the threshold it is held to (constrained GRPO, constraints.py)
+             the threshold it is held to (constrained GRPO, trainer/constraints.py)
   idk        the IDK rate, per BAPO stage when there is one
   kl         KL to the reference and the policy's entropy
   length     policy tokens per rollout

@@ -1,8 +1,8 @@
 """Trajectory viewer: rollout records -> ONE self-contained HTML file (inline CSS/JS, no network).
 
-    python viewer.py rollouts.jsonl -o viewer.html                      # segment-level masking
-    python viewer.py rollouts.jsonl -o viewer.html --tokenizer MODEL_DIR  # token-level masking
-    python viewer.py samples/step_30.jsonl -o v.html --reward search_r1_em  # score unscored records
+    python eval.py view rollouts.jsonl -o viewer.html                      # segment-level masking
+    python eval.py view rollouts.jsonl -o viewer.html --tokenizer MODEL_DIR  # token-level masking
+    python eval.py view samples/step_30.jsonl -o v.html --reward search_r1_em  # score unscored records
 
     from report.viewer import write_viewer
     write_viewer(records, "results/viewer.html", tokenizer=tok, title="tiny / val")

@@ -35,7 +35,8 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
-from search.index import get_passage, load_index, search_rows
+from search.corpus import get_passage
+from search.index import load_index, search_rows
 from search.web import read, web_search
 
 DRAIN_BYTES = 64 * 2**20

@@ -5,7 +5,7 @@
     tools = make_search_fn(cfg_deliberative, ...)          # {"search", "read"} (web protocols)
 
 This is the one place that chooses between the index in this process (index.py, with
-WebFilter's operators through web.py) and a retrieval server (server.py's client), so both of
+WebFilter's operators through web.py) and a retrieval server (search/server.py's client), so both of
 those stay below it. Building an index imports bm25s (numba): call these after vLLM has
 started in the process (DESIGN.md §6).
 """
@@ -33,7 +33,7 @@ def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int]
     """`(queries, k) -> hits per query`, from config: `retriever.url` (an HTTP server speaking
     Search-R1's /retrieve), else `retriever.index` (a built index dir), else the default index
     next to the corpus, built on first use. In process, queries with advanced operators
-    (`site:tinypedia.org`, `-term`, ...) are filtered as websearch.py does."""
+    (`site:tinypedia.org`, `-term`, ...) are filtered as search/web.py does."""
     if rcfg.url:
         return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=rcfg.retries)
     index = open_index(rcfg, corpus_path)  # site:, -term, ... honoured (WebFilter's operators)
@@ -52,8 +52,8 @@ def web_tools(index, k: int = 5, read_tokens: int = 512, tokenizer=None) -> dict
 
 def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
     """The rollout's tools. Search-R1 and BAPO protocols: one batched search, queries -> rendered
-    hits, in process or over HTTP (retriever.open_search). Deliberative and WebFilter protocols:
-    {"search", "read"} over websearch.py (sources with url and date, operators, read by id), in
+    hits, in process or over HTTP (search.tools.open_search). Deliberative and WebFilter protocols:
+    {"search", "read"} over search/web.py (sources with url and date, operators, read by id), in
     process only. Imports bm25s: call after vLLM has started."""
     if cfg.rollout.protocol in ("deliberative", "webfilter"):
         return make_web_tools(cfg, corpus_path, timings)
@@ -69,7 +69,7 @@ def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
 
 
 def make_web_tools(cfg: Config, corpus_path: Path, timings: dict) -> dict:
-    """protocols.web_tools on the configured index, each call timed into timings["retrieve"]."""
+    """search.tools.web_tools on the configured index, each call timed into timings["retrieve"]."""
     r = cfg.retriever
     if r.url:
         raise ConfigError(

@@ -34,7 +34,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from search.index import Index, bm25_tokenize, get_passage, iter_passages, search, search_rows, title_and_text
+from search.corpus import get_passage, iter_passages, title_and_text
+from search.index import Index, bm25_tokenize, search, search_rows
 
 # WebFilter's advanced operators (§3), matched on the raw query, case-sensitive: AND / OR / NOT only
 # in upper case (a lower-cased "and" is a word), `-term` only at a word start. Its R_src reward

@@ -15,7 +15,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# `auto` precision (precision.py) means fp32 in every test and every process they start, on every
+# `auto` precision (trainer/precision.py) means fp32 in every test and every process they start, on every
 # CPU: the suite runs one code path on Intel AMX and AMD AVX2 alike; test_precision.py checks the
 # detection itself.
 os.environ["TRAINER_NATIVE_BF16"] = "0"

@@ -1,4 +1,4 @@
-"""One `train.grpo_step` per case on a fixed batch, in one process or sharded over several.
+"""One `grpo.grpo_step` per case on a fixed batch, in one process or sharded over several.
 
     python tests/fsdp_step.py SPEC.json                                         # world 1, no FSDP
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\

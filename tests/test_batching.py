@@ -1,4 +1,4 @@
-"""Token-budget micro-batching (sft.token_budget_batches / min_padding_cuts): the budget holds,
+"""Token-budget micro-batching (batching.token_budget_batches / min_padding_cuts): the budget holds,
 every index appears once, and the cut is the least-padding one (checked against brute force)."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""Lagrangian constraints (constraints.py): the dual update worked by hand, warm-up, fixed
+"""Lagrangian constraints (trainer/constraints.py): the dual update worked by hand, warm-up, fixed
 lambda, both directions, bad specs, and the state a checkpoint carries."""
 
 import math

@@ -37,7 +37,7 @@ def start(policy, port, log_path=None):
            "--served-model-name", "judge"]  # fmt: skip
     log_path = log_path or tempfile.NamedTemporaryFile(prefix="vllm-judge-", suffix=".log", delete=False).name
     with open(log_path, "ab") as log:
-        # VLLM_USE_AOT_COMPILE=0 as engine.py sets it: the restart test's second start reuses the compile cache
+        # VLLM_USE_AOT_COMPILE=0 as trainer/engine.py sets it: the restart test's second start reuses the compile cache
         env = os.environ | {"VLLM_USE_AOT_COMPILE": "0"}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     proc.log_path = log_path

@@ -1,4 +1,4 @@
-"""LoRA policies (lora.py): only adapters train, and the merged weights reach vLLM by base names.
+"""LoRA policies (trainer/lora.py): only adapters train, and the merged weights reach vLLM by base names.
 
 The engine: vLLM allows one engine per process here (a second one fails its memory check), so
 when another collected test starts the session's micro engine anyway (conftest `vllm_engine`,

@@ -1,8 +1,8 @@
-"""metrics.py: every paper's evaluation metric, worked by hand on small fixed rollout sets.
+"""report/metrics.py: every paper's evaluation metric, worked by hand on small fixed rollout sets.
 
-The rollouts are real response texts read through the same parser as training (answers.py);
+The rollouts are real response texts read through the same parser as training (agent/answers.py);
 one set is produced by rollout.py itself with a scripted engine. Expected values are computed
-in the comments from each metric's definition (metrics.py docstrings). ECE / Brier / AUROC are
+in the comments from each metric's definition (report/metrics.py docstrings). ECE / Brier / AUROC are
 checked against scikit-learn on random data, EM / F1 against the official SQuAD v1.1 script.
 """
 
@@ -66,7 +66,7 @@ def seven() -> list[dict]:
 
 
 class RuleJudge:
-    """judge.py's interface (prompt, verdicts, failures) with rules in place of a model: it accepts
+    """agent/judge.py's interface (prompt, verdicts, failures) with rules in place of a model: it accepts
     any answer that mentions Velor (a paraphrase EM rejects), an info-think pair whose think mentions
     Velor, and a query starting with "Tavi Morek". Answers mentioning Kesh count as failed verdicts
     (scored 0 and counted, like on_failure="zero")."""

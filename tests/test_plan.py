@@ -1,4 +1,4 @@
-"""plan.py: the per-GPU memory plan, checked against hand calculations (no model is loaded)."""
+"""trainer/plan.py: the per-GPU memory plan, checked against hand calculations (no model is loaded)."""
 
 import json
 import re
@@ -138,12 +138,13 @@ def test_tiny_world_policy_is_planned_from_config_model():
 
 
 def test_cli_prints_a_verdict():
-    out = subprocess.run([sys.executable, "plan.py", "--config", "configs/search_r1_ppo_qwen2.5-7b-base.yaml"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    config = "configs/search_r1_ppo_qwen2.5-7b-base.yaml"
+    out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config", config], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
     assert out.returncode in (0, 1), out.stderr
     assert "=> fits" in out.stdout or "=> does not fit" in out.stdout
     assert "Qwen2.5-7B" in out.stdout and "KV cache" in out.stdout
-    bad = subprocess.run([sys.executable, "plan.py", "--set", "model.path=models/nonexistent-model"],
+    bad = subprocess.run([sys.executable, "-m", "trainer.plan", "--set", "model.path=models/nonexistent-model"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "models/nonexistent-model" in bad.stderr
 
@@ -155,7 +156,7 @@ def test_cli_prints_a_verdict():
 ])  # fmt: skip
 def test_cli_refuses_out_of_range_hardware_in_one_line(override, says):
     """hardware.gpus 0 divided by zero in the plan (a traceback); now the config refuses it."""
-    for cmd in (["plan.py"], ["train.py", "--plan"]):
+    for cmd in (["-m", "trainer.plan"], ["train.py", "--plan"]):
         out = subprocess.run([sys.executable, *cmd, "--set", override], cwd=ROOT, capture_output=True, text=True,
                              timeout=60)  # fmt: skip
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]

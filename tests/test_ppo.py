@@ -1,4 +1,4 @@
-"""PPO pieces (ppo.py) against DESIGN.md §4, a slow reference GAE and hand-worked numbers;
+"""PPO pieces (trainer/ppo.py) against DESIGN.md §4, a slow reference GAE and hand-worked numbers;
 the critic on a tiny Qwen2 built here (no world, no tokenizer)."""
 
 import random
@@ -64,7 +64,7 @@ def test_gae_matches_the_slow_formula(gamma, lam):
 
 
 def test_gae_hand_example_advantage_is_return_minus_value():
-    # p1 p2 [i1 i2] p3 p4, R = 1 on p4, gamma = lam = 1 (the ppo.py docstring example)
+    # p1 p2 [i1 i2] p3 p4, R = 1 on p4, gamma = lam = 1 (the trainer/ppo.py docstring example)
     mask = torch.tensor([[1.0, 1, 0, 0, 1, 1]])
     values = torch.tensor([[0.2, 0.4, 0.9, 0.9, 0.5, 0.7]])
     rewards = token_rewards(torch.tensor([1.0]), mask)

@@ -38,7 +38,7 @@ def test_auto_follows_the_machine_and_an_explicit_value_wins(monkeypatch):
         monkeypatch.setenv(ENV_OVERRIDE, forced)
         cfg = load_config(ROOT / "configs/tiny.yaml")
         assert cfg.sft.bf16 is expected and cfg.train.bf16 is expected
-        assert cfg.model.dtype == "float32"  # on a CPU the engine's weights stay fp32 (precision.py)
+        assert cfg.model.dtype == "float32"  # on a CPU the engine's weights stay fp32 (trainer/precision.py)
         explicit = load_config(ROOT / "configs/tiny.yaml",
                                [f"sft.bf16={str(not expected).lower()}", f"train.bf16={str(not expected).lower()}",
                                 "model.dtype=bfloat16"])  # fmt: skip

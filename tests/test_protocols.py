@@ -1,5 +1,8 @@
 """Agent protocols of rollout.py (search_r1, bapo, deliberative, webfilter), driven by a scripted engine.
 
+One file on purpose (about 580 lines): the four protocols share one scripted engine and one set of
+malformed-action cases, and are read side by side.
+
 The engine replays fixed policy turns (what a model would write), so these tests check the
 rollout bookkeeping of each protocol, not sampling: the observations it appends, the records
 (loss_mask 0 exactly on observation tokens, logprobs as generated), the parse of the answer
@@ -50,7 +53,7 @@ def bpe(tmp_path_factory):
 
 
 class ScriptedEngine:
-    """The engine interface (engine.py) replaying SCRIPT[qid][k] at turn k.
+    """The engine interface (trainer/engine.py) replaying SCRIPT[qid][k] at turn k.
 
     The question id is read from the context ("[q3]" in the question text); the turn is the
     number of the script's turns already present, in order, in the context. Token ids are the
@@ -168,7 +171,7 @@ DOCS = {  # id: title, url, date, text: the misinformation page disagrees
 
 
 class FakeWeb:
-    """websearch.py's web_search / read result shapes over DOCS; every batched call is logged."""
+    """search/web.py's web_search / read result shapes over DOCS; every batched call is logged."""
 
     def __init__(self):
         self.calls = []

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from search import index as retriever
-from search.index import bm25_tokenize, build_index, load_index, scan_corpus, search, search_rows
+from search.corpus import scan_corpus
+from search.index import bm25_tokenize, build_index, load_index, search, search_rows
 from trainer.config import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -119,7 +119,7 @@ def test_weight_sync_makes_vllm_match_the_trainer(vllm_engine, micro):
 
 def test_weight_sync_no_longer_warns_about_the_rotary_cache(vllm_engine, micro, caplog):
     """vLLM warns "RotaryEmbedding: Failed to load weights" at every sync (a buffer no checkpoint
-    holds, restored by vLLM); engine.py filters that one line. Without the filter it is there."""
+    holds, restored by vLLM); trainer/engine.py filters that one line. Without the filter it is there."""
     weights = list(load_policy(micro[2]).state_dict().items())
     reload_logger = logging.getLogger(RELOAD_LOGGER)
     reload_logger.removeFilter(quiet_rotary_reload_warning)

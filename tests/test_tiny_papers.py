@@ -1,6 +1,6 @@
 """The papers' tiny world (issue 7): unanswerable and misinformation questions, the teacher's
 per-paper flaws, operator-aware search, the rule judge, config bases, per-category metrics, and
-`eval.py reproduce --world papers` end to end on a micro version (real SFT, vLLM, training runs)."""
+`reproduce.py --world papers` end to end on a micro version (real SFT, vLLM, training runs)."""
 
 import json
 import random
@@ -49,7 +49,7 @@ def test_extensions_off_leave_every_older_world_and_its_cache_key_unchanged():
     assert not any("category" in q["metadata"] for qs in plain.questions.values() for q in qs)
     # the cached SFT starts of the shipped configs stay valid (results/tiny.md, the Lagrangian runs);
     # world.FORMAT_VERSION 4 (stop 18: the tokenizer splits as Qwen2's) changed them once, on purpose
-    # sft.bf16=true: these keys were pinned when SFT ran in bf16 by default; `auto` (precision.py)
+    # sft.bf16=true: these keys were pinned when SFT ran in bf16 by default; `auto` (trainer/precision.py)
     # keys the resolved value, so a machine without native bf16 builds (and caches) its own start
     bf16 = ["sft.bf16=true"]
     assert world_key(load_config(ROOT / "configs/tiny.yaml", bf16)) == "2ab02866ae47"
@@ -188,7 +188,7 @@ def test_citing_teacher_puts_the_unreliable_attribution_in_its_answers_think(ext
 @pytest.mark.parametrize("after", [False, True])
 def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext, tmp_path, after):
     """sft.p_confidence_hint = 1: every stated confidence is >= 5 exactly when the teacher's
-    answer is right, in sft.py's Search-R1 teacher and in teachers.py's protocol teachers; with
+    answer is right, in tiny/sft.py's Search-R1 teacher and in tiny/teachers.py's protocol teachers; with
     rollout.confidence_after_answer both write the final confidence after the answer."""
     from dataclasses import replace
 
@@ -211,7 +211,7 @@ def test_hinted_confidence_follows_the_teachers_correctness_in_both_teachers(ext
     parsed = [parse_response(t) for t in texts]
     right = [exact_match(p.answer, q["golden_answers"]) == 1.0 for p, q in zip(parsed, qs + qs)]
     assert [p.confidence >= 5 for p in parsed] == right and 0 < sum(right) < len(right)
-    assert all(p.format_ok for p in parsed[: len(qs)])  # the rewards' parser takes either place (sft.py's
+    assert all(p.format_ok for p in parsed[: len(qs)])  # the rewards' parser takes either place (tiny/sft.py's
     # texts here lack the observation tags, which tokenize_segments adds)
     ends = [re.search(r"</answer>(<confidence> \d+</confidence>)?$", t) for t in texts]
     assert all(m and bool(m.group(1)) == after for m in ends)
@@ -331,7 +331,7 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     cache = os.environ.get("MICRO_CACHE") or str(tmp_path / "cache")
     sets = sum((["--set", s] for s in [*MICRO_PAPERS, f"world.cache_dir={cache}"]), [])
     rows = ["GRPO baseline (EM)", "BAPO", "WebFilter", "Deliberative: Lagrangian"]
-    cmd = [sys.executable, "eval.py", "reproduce", "--world", "papers", "--seeds", "0", "--only", *rows,
+    cmd = [sys.executable, "reproduce.py", "--world", "papers", "--seeds", "0", "--only", *rows,
            "--out", str(tmp_path / "papers.md"), "--run-dir", str(tmp_path / "runs"), *sets]  # fmt: skip
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

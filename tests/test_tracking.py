@@ -1,4 +1,4 @@
-"""Experiment tracking (tracking.py): a real 2-step run writes TensorBoard events and an offline
+"""Experiment tracking (trainer/tracking.py): a real 2-step run writes TensorBoard events and an offline
 W&B run holding the scalars of metrics.jsonl; the end of a run prints the before -> after table."""
 
 import json

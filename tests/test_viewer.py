@@ -1,4 +1,4 @@
-"""viewer.py: the trajectory viewer, rendered for real in headless Chromium.
+"""report/viewer.py: the trajectory viewer, rendered for real in headless Chromium.
 
 Records come from the real code path: a scripted engine (fixed completions, as in
 test_masking.py) drives rollout.rollout_batch with a real byte-level BPE tokenizer

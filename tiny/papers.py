@@ -1,12 +1,12 @@
 """Every paper's effect on the tiny world, from one command: train, evaluate, write
 results/tiny_papers.md with curves.
 
-    python eval.py reproduce --world papers                 # 9 configs x 3 seeds, 2 runs at a time
-    python eval.py reproduce --world papers --seeds 0 --set train.steps=2 --out /tmp/papers.md  # smoke
+    python reproduce.py --world papers                 # 9 configs x 3 seeds, 2 runs at a time
+    python reproduce.py --world papers --seeds 0 --set train.steps=2 --out /tmp/papers.md  # smoke
 
 The runs start from two SFT policies (cached in cache/), each with its plain GRPO baseline:
 - configs/tiny_papers.yaml: the tiny world with unanswerable and misinformation questions
-  (world.py) and a Search-R1-format teacher that has each paper's flaw (world.Habits: random
+  (tiny/world.py) and a Search-R1-format teacher that has each paper's flaw (world.Habits: random
   confidence, IDK only at random, site: rarely, a think that ignores what it read);
 - configs/tiny_papers_boundary.yaml, the "boundary world" of BAPO's rows: a third of the
   questions ask about people no passage names (the search finds no namesake), no misinformation,
@@ -189,7 +189,7 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="eval.py reproduce --world papers", description=__doc__,
+    parser = argparse.ArgumentParser(prog="reproduce.py --world papers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--world", default="papers", choices=["papers"], help="(the papers' tiny world)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed of each run")
@@ -273,7 +273,7 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         flags += " --seeds " + " ".join(map(str, args.seeds))
     if args.only:  # a partial report says it is one
         flags += " --only" + "".join(f' "{row}"' for row in args.only)
-    cmd = "python eval.py reproduce --world papers" + flags + "".join(f" --set {s}" for s in args.set)
+    cmd = "python reproduce.py --world papers" + flags + "".join(f" --set {s}" for s in args.set)
     held_out = " and ".join(f"{rows[start]['n']} ({start})" for start in test_files)
     lines = [
         "# Every paper's effect on the tiny world",

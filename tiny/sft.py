@@ -1,7 +1,7 @@
 """Tokenizer, tiny Qwen2 policy and its SFT warm start on the scripted teacher (DESIGN.md §5).
 
 `ensure_tiny_policy(cfg)` builds, once per config, under `cache/tiny-<key>/`:
-  corpus.jsonl, {train,val,test}.jsonl   the world (world.py)
+  corpus.jsonl, {train,val,test}.jsonl   the world (tiny/world.py)
   sft.jsonl                              teacher trajectories as (text, trained?) segments
   policy/                                tokenizer + Qwen2 model after SFT (safetensors)
 and returns the policy directory. The same directory layout is what `AutoModelForCausalLM`
@@ -28,7 +28,7 @@ tags and most names are single tokens (BPE of 2,048 on the world), a one-line pr
 batches of similar lengths (little padding), bf16 autocast, constant lr until the last
 quarter (copying appears only after some time at full lr).
 
-Run: `python sft.py --config configs/tiny.yaml` (same as `python world.py ...`).
+Run: `python -m tiny.sft --config configs/tiny.yaml` (same as `python -m tiny.sft ...`).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str
 
     world = generate_world(cfg.world)  # deterministic: the same world as on disk
     countries, cities = world.countries, list(world.city_country)
-    if cfg.rollout.protocol != "search_r1":  # the teacher as a policy through rollout.py (teachers.py)
+    if cfg.rollout.protocol != "search_r1":  # the teacher as a policy through rollout.py (tiny/teachers.py)
 
         if cfg.rollout.chat_template:
             raise ConfigError("the tiny world's teachers write plain prompts: set rollout.chat_template: false")

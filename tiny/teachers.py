@@ -5,7 +5,7 @@ world.teacher_segments writes Search-R1 trajectories as text. For the other prot
 with \\boxed{} answers, Deliberative Searcher's search / read with a confidence per step,
 WebFilter's JSON tool calls) the teacher is a *policy*: `next_turn` reads the transcript so far
 (prompt, its own turns, the tools' observations as the protocol renders them) and writes the next
-turn. `TeacherEngine` puts it behind the engine interface (engine.py), so rollout.rollout_batch
+turn. `TeacherEngine` puts it behind the engine interface (trainer/engine.py), so rollout.rollout_batch
 runs it with the protocol's own parser, tools and rendering, and the SFT data is exactly what a
 rollout of that protocol looks like. The flaws are world.Habits' (site: rarely, a think that
 ignores what it read), plus a random confidence and a random "I don't know" (SFTConfig).
@@ -17,7 +17,7 @@ Worked example, deliberative, 1-hop ("Where was Tavi Morek born?"), turn by turn
     <result>[p17] Tavi Morek\\nTavi Morek was born in the city of Velor.</result>
     <think> Tavi Morek was born in the city of Velor.</think><confidence> 2</confidence><answer> Velor</answer>
 
-    python teachers.py --config configs/tiny_papers.yaml --set rollout.protocol=deliberative -n 3
+    python -m tiny.teachers --config configs/tiny_papers.yaml --set rollout.protocol=deliberative -n 3
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
 
 class CharTokenizer:
     """Just enough of a tokenizer for rollout.py to run the teacher before the real tokenizer
-    exists (sft.py trains it on the teacher's text): one id per character."""
+    exists (tiny/sft.py trains it on the teacher's text): one id per character."""
 
     eos_token_id = 0
 
@@ -165,7 +165,7 @@ class _Out:
 
 
 class TeacherEngine:
-    """engine.py's interface, answered by `next_turn` for the question named in the prompt."""
+    """trainer/engine.py's interface, answered by `next_turn` for the question named in the prompt."""
 
     def __init__(self, protocol: str, questions: list[dict], sft, seed: int, countries: list[str], cities: list[str],
                  confidence: bool, confidence_after: bool = False):  # fmt: skip

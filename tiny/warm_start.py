@@ -3,7 +3,7 @@
 A pretrained instruct model (SmolLM2, Qwen2.5-Instruct, ...) does not write Search-R1's tags on
 the tiny world: every rollout scores 0, every group's advantages are 0, and GRPO has no signal
 (train.py warns). The tiny policy gets its format from SFT on scripted teacher trajectories
-(sft.py, DESIGN.md §5); this file does the same for a model you bring, with `sft.warm_start: true`:
+(tiny/sft.py, DESIGN.md §5); this file does the same for a model you bring, with `sft.warm_start: true`:
 
     the teacher's trajectory, as segments          rendered for the model, token by token
     ("<think> I need .. </think><search> X</search>", policy)  -> prompt_ids(): the chat template,
@@ -22,7 +22,7 @@ The result is cached under `cache/warm-<key>/policy` (the key: the model directo
 the SFT, prompt and retrieval settings) and train.py / eval.py start from it. Built in a child
 process by data.ensure_policy (bm25s must not be imported before vLLM starts, DESIGN.md §6).
 
-Run: `python warm_start.py --config configs/smollm2.yaml` prints the policy directory.
+Run: `python -m tiny.warm_start --config configs/smollm2.yaml` prints the policy directory.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.config, args.set)
     if not cfg.model.path:
-        raise SystemExit("warm_start.py needs model.path (the tiny policy's own warm start is world.py)")
+        raise SystemExit("tiny/warm_start.py needs model.path (the tiny policy's own warm start is tiny/world.py)")
     print(describe_precision(cfg), flush=True)
     print(ensure_warm_start(cfg))
 

@@ -25,7 +25,7 @@ and it sometimes answers without searching. RL has to discover that the second s
 The questions of each split are about disjoint sets of people, so validation and test ask
 about entities the SFT data never asked about (their passages are in the corpus, as always).
 
-Build the world, tokenizer and SFT warm start (cached under cache/): `python world.py
+Build the world, tokenizer and SFT warm start (cached under cache/): `python -m tiny.sft
 --config configs/tiny.yaml`; train.py does this for you when the cache is missing.
 """
 
@@ -234,7 +234,7 @@ class Habits:
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
 
-UNFAITHFUL_THINK = "I know the answer."  # names nothing it read: the rule judge's 0 (judge.py)
+UNFAITHFUL_THINK = "I know the answer."  # names nothing it read: the rule judge's 0 (agent/judge.py)
 _NAME = r"[A-Z]\w*(?: [A-Z]\w*)*"  # a person's capitalised names
 _BORN = re.compile(rf"({_NAME}) was born in the city of (\w+)\.")
 _CITED_BORN = re.compile(rf"(?:Fans of {_NAME} say )?" + _BORN.pattern)  # with its attribution
@@ -325,7 +325,7 @@ def world_key(cfg: Config) -> str:
         "topk": cfg.retriever.topk,
         "max_obs_tokens": cfg.rollout.max_obs_tokens,
         "prompt": cfg.rollout.prompt_template,
-        **({"protocol": cfg.rollout.protocol} if cfg.rollout.protocol != "search_r1" else {}),  # teachers.py
+        **({"protocol": cfg.rollout.protocol} if cfg.rollout.protocol != "search_r1" else {}),  # tiny/teachers.py
         **({"confidence_after_answer": True} if cfg.rollout.confidence_after_answer else {}),  # the teachers
         "format": FORMAT_VERSION,
     }

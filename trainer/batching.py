@@ -6,7 +6,7 @@ per-position log-probs and the policy-token mask.
     batches = token_budget_batches(lengths, budget=8192, rng=random.Random(0))  # index lists
     logps = per_position(lambda ids, attn: token_logprobs(model, ids, attn), seqs, 8192, pad_id)
 
-Used by grpo.py, ppo.py, distributed.py and the tiny world's SFT (tiny/sft.py).
+Used by grpo.py, trainer/ppo.py, trainer/distributed.py and the tiny world's SFT (tiny/sft.py).
 """
 
 from __future__ import annotations

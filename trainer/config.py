@@ -14,9 +14,13 @@ must not exit having trained nothing).
     >>> load_config(None, ["train.lr_rate=1"])
     Traceback (most recent call last):
     ...
-    config.ConfigError: unknown config key 'train.lr_rate' (known keys in train: seed, steps, ...)
+    trainer.config.ConfigError: unknown config key 'train.lr_rate' (known keys in train: seed, steps, ...)
 
-Run `python config.py configs/tiny.yaml` to print the resolved config.
+Run `python -m trainer.config configs/tiny.yaml` to print the resolved config.
+
+One file on purpose (about 580 lines): every key beside its default, its allowed values
+(CHOICES) and its range (RANGES) is the reference a user reads; split, it would be three lists
+to keep in step.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class DataError(ValueError):
 
 class RunDirError(RuntimeError):
     """The run directory cannot be written (read-only, not a directory, disk full) or a checkpoint
-    in it cannot be read safely; the message names the path and the cause (checkpoint.py)."""
+    in it cannot be read safely; the message names the path and the cause (trainer/checkpoint.py)."""
 
 
 @dataclass
@@ -84,7 +88,7 @@ class ModelConfig:
     vocab_size: int = 2048  # byte-level BPE trained on the world: most names are 1-3 tokens
     # weights of the rollout engine and the frozen reference; the trained policy keeps fp32 master
     # weights. A loaded config starts at auto: bfloat16 on a GPU with native bf16, else float32
-    # (precision.py); a bare ModelConfig() is float32
+    # (trainer/precision.py); a bare ModelConfig() is float32
     dtype: str = "float32"
 
 
@@ -98,9 +102,9 @@ class SFTConfig:
     warmup_steps: int = 50
     decay_frac: float = 0.25  # lr is constant until the last quarter, then cosine to 10%
     weight_decay: float = 0.0
-    train_on_observations: bool = True  # SFT targets include <information> text (see sft.py)
+    train_on_observations: bool = True  # SFT targets include <information> text (see tiny/sft.py)
     probe_every: int = 100  # held-out copy-accuracy probe (sft.copy_probe); 0 = only at the end
-    bf16: bool | str = False  # autocast; a loaded config starts at auto: where bf16 is native (precision.py)
+    bf16: bool | str = False  # autocast; a loaded config starts at auto: where bf16 is native (trainer/precision.py)
     # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
     p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop
     p_no_search: float = 0.1  # answer without searching at all
@@ -122,7 +126,7 @@ class SFTConfig:
     # confidence is still random. Search-R1 protocol only.
     think_cites_source: bool = False
     # With model.path (your own model): fine-tune it on this teacher first, its trajectories in
-    # the model's chat template and tokenizer (warm_start.py), so GRPO starts with a signal.
+    # the model's chat template and tokenizer (tiny/warm_start.py), so GRPO starts with a signal.
     warm_start: bool = False
 
 
@@ -161,13 +165,13 @@ class RolloutConfig:
     max_obs_tokens: int = 200  # observation budget, cut inside the tags (DESIGN §7)
     temperature: float = 1.0
     top_p: float = 1.0
-    gpu_memory_utilization: float = 0.3  # GPU: vLLM's share; CPU: the KV cache's share of host RAM (engine.py)
+    gpu_memory_utilization: float = 0.3  # GPU: vLLM's share; CPU: the KV cache's share of host RAM (trainer/engine.py)
     sleep_mode: bool = False  # vLLM sleeps (weights offloaded, KV cache freed) while training; CUDA only
     max_model_len: int = 1024
     # Prompt with a {question} slot; empty = Search-R1's full instruction (rollout.py). The tiny
     # world uses a one-line version: its 100-token instruction would double every sequence.
     prompt_template: str = ""
-    # Agent protocol (protocols.py): search_r1 | bapo | deliberative | webfilter. Each has its own
+    # Agent protocol (agent/protocols.py): search_r1 | bapo | deliberative | webfilter. Each has its own
     # instructions, tags, stop strings and tools; prompt_template, when set, replaces the instructions.
     protocol: str = "search_r1"
     chat_template: bool = False  # instruct models: the prompt goes through tokenizer.apply_chat_template
@@ -180,7 +184,7 @@ class RolloutConfig:
     # vLLM: each trajectory's next turn starts as soon as its own tool call returns (continuous
     # batching across turns); false: turn by turn, every trajectory waiting for the slowest of its turn
     continuous: bool = True
-    # Several training processes (engine.py): "memory", each process's own vLLM engine in process
+    # Several training processes (trainer/engine.py): "memory", each process's own vLLM engine in process
     # (vLLM's external_launcher), full weights loaded from memory; "file", each engine in a process
     # of its own, weights through a safetensors file in /dev/shm (the fallback)
     weight_sync: str = "memory"
@@ -220,7 +224,7 @@ class TrainConfig:
     # "" none, "rule" the tiny world's rule judge (judge.RuleJudge), or an OpenAI-compatible URL
     judge: str = ""
     judge_model: str = ""  # the model name on that server
-    algo: str = "grpo"  # grpo | ppo (critic + GAE, ppo.py) | rft (rejection-sampling fine-tuning)
+    algo: str = "grpo"  # grpo | ppo (critic + GAE, trainer/ppo.py) | rft (rejection-sampling fine-tuning)
     # Passes over each rollout batch and optimizer steps per pass (BAPO: 2 epochs, batch 64 /
     # mini-batch 16 = 4). With more than one update, pi_old is recomputed by the trainer.
     epochs: int = 1
@@ -233,7 +237,7 @@ class TrainConfig:
     # a list of {name, stat, threshold, direction, lambda0, eta, warmup_frac, fixed_lambda,
     # measure, param}. See configs/tiny_lagrangian.yaml.
     constraints: list = field(default_factory=list)
-    # Experiment tracking (tracking.py): tensorboard and / or wandb get the scalars of metrics.jsonl
+    # Experiment tracking (trainer/tracking.py): tensorboard and / or wandb get the scalars of metrics.jsonl
     report_to: list = field(default_factory=list)  # e.g. [tensorboard, wandb]; --set train.report_to=tensorboard
     wandb_project: str = "search-agent-rl"
     # PPO (Search-R1 released scripts): critic = value head on its own copy of the base model.
@@ -259,7 +263,7 @@ class TrainConfig:
     bf16: bool | str = False  # bf16 autocast of forward/backward (fp32 master); loaded: auto, as sft.bf16
     grad_checkpointing: bool = False
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
-    # LoRA (lora.py): 0 = full fine-tuning; > 0 trains adapters only, vLLM gets the merged weights
+    # LoRA (trainer/lora.py): 0 = full fine-tuning; > 0 trains adapters only, vLLM gets the merged weights
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -329,7 +333,7 @@ def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
 def _coerce(value: object, kind: type, key: str) -> object:
     """YAML gives ints where floats are meant (lr: 1) and strings from --set; accept both.
     A bool is an int to Python (isinstance(True, int)), but `steps: true` is a mistake, not 1."""
-    if kind == bool | str:  # true | false | auto (precision.py)
+    if kind == bool | str:  # true | false | auto (trainer/precision.py)
         if isinstance(value, bool) or value == "auto":
             return value
         raise ConfigError(f"config key '{key}' must be true, false or auto; got {value!r}")

@@ -144,7 +144,7 @@ def _shard_layers(model, kwargs: dict):
 
 def shard(model, cfg: Config, reshard_after_forward: bool = True):
     """FSDP2 on every decoder layer, then on the root. Turn on gradient checkpointing before
-    (train.memory_savers), so its recomputation happens inside each layer's unsharded window.
+    (grpo.memory_savers), so its recomputation happens inside each layer's unsharded window.
     fully_shard moves each unit to this process's device (or keeps its shard on the host with
     cpu_offload). Build the optimizer afterwards: the parameters become DTensors holding this
     process's shard.

@@ -3,7 +3,8 @@
     advantages = group_advantages(rewards, group_ids)          # step 3 of train.py's loop
     stats = grpo_step(model, ref_model, records, optimizer, cfg, pad_id, step)   # steps 4-5
 
-The equations (GRPO as Search-R1 §3.2 trains it, with DESIGN.md §4's options):
+The equations (GRPO with a search engine, Search-R1 §3.1: the retrieved tokens masked out of
+the loss and of its KL term; with DESIGN.md §4's options):
 
   advantage  A_i = (r_i - mean(r_group)) / (std(r_group) + eps), the same A_i for every token of
              rollout i; a group with equal rewards has A = 0 (adv_std: group / batch / none)

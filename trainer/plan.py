@@ -1,7 +1,7 @@
 """Per-GPU memory plan of a training run, computed from the architecture alone (no model loaded).
 
-    python plan.py --config configs/search_r1_ppo_qwen2.5-7b-base.yaml
-    python plan.py --config configs/search_r1_grpo_qwen2.5-3b-base.yaml --set train.micro_batch_tokens=16384
+    python train.py --plan --config configs/search_r1_ppo_qwen2.5-7b-base.yaml
+    python train.py --plan --config configs/search_r1_grpo_qwen2.5-3b-base.yaml --set train.micro_batch_tokens=16384
     python train.py --config X --plan        # the same table (train.py calls print_plan)
 
 Exit status: 0 it fits, 1 it does not, 2 the config or the model cannot be read.
@@ -22,7 +22,7 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
   reference  = P * b / S            only when train.kl_coef > 0; offloaded with the rest
   critic     = P - (V*h if untied else 0) + h + 1 parameters (the backbone without lm_head, a
                value head), weights + gradients + AdamW like the policy (train.algo ppo)
-  gathered   = (2*root + 3*layer) * a    under FSDP (distributed.py: FSDP2, one unit per decoder
+  gathered   = (2*root + 3*layer) * a    under FSDP (trainer/distributed.py: FSDP2, one unit per decoder
                layer plus the root; gathered in the compute dtype, a below): the root unit
                (embeddings, untied lm_head) stays unsharded, with its gradients, through forward
                and backward; one layer computes, one is prefetched, one holds full gradients
@@ -126,7 +126,7 @@ class Arch:
 
 def load_arch(model: ModelConfig) -> Arch:
     """The architecture of `model.path`: its config.json, else the Qwen2.5 table, else an error."""
-    if not model.path:  # the tiny world's policy, built by sft.py from these numbers
+    if not model.path:  # the tiny world's policy, built by tiny/sft.py from these numbers
         return Arch("tiny world policy", "config.model", model.hidden_size, model.num_layers, model.num_heads,
                     model.num_heads, model.intermediate_size, model.vocab_size, tied=True)  # fmt: skip
     path = Path(model.path)

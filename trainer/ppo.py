@@ -266,7 +266,7 @@ def critic_step(
 ) -> dict:
     """One optimizer step of the clipped value loss over the records' policy positions.
 
-    Token-mean over the whole batch, as train.grpo_step: each micro-batch adds its masked sum
+    Token-mean over the whole batch, as grpo.grpo_step: each micro-batch adds its masked sum
     divided by the batch's total policy-token count, so micro-batching does not change the
     gradient. With several processes (a sharded critic) each takes records[rank::world], its
     loss x world (FSDP averages gradients), and runs as many micro-batches as the busiest one
@@ -321,7 +321,7 @@ def critic_update(
 ) -> dict:
     """`epochs` x `mini_batches` critic steps on one batch, as the actor takes (verl's PPO
     mini-batches the critic like the actor: ppo_epochs x ppo_mini_batch_size). The mini-batches
-    are the actor's (train.grpo_step draws its order from the same Random(seed)), V_old stays
+    are the actor's (grpo.grpo_step draws its order from the same Random(seed)), V_old stays
     the values before the first step (the clip's anchor) and the returns are fixed. Returns the
     mean of critic_step's statistics over the steps."""
     rng = random.Random(seed)
@@ -342,7 +342,7 @@ def critic_update(
 
 def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, pad_id: int, step: int,
                rank: int = 0, world: int = 1) -> dict:  # fmt: skip
-    """PPO (Search-R1's best runs, ppo.py): token rewards (the score on the last policy token,
+    """PPO (Search-R1's best runs, trainer/ppo.py): token rewards (the score on the last policy token,
     minus kl_coef x k1 KL to the reference on every policy token when kl_in_reward), GAE over
     policy tokens with the critic's values, whitened advantages; then the clipped policy step
     and as many critic steps on the returns, on the same mini-batches (ppo.critic_update)."""
