@@ -39,7 +39,7 @@ step confidences) and on the final answer; the reward reads the final answer's
 
 Tools (rollout_batch's `search_fn`): a batched callable (queries -> results), or a dict of them,
 {"search": .., "read": ..}; `web_tools` builds both on search/web.py. A result is text, or a
-websearch dict ({"results": [..]} / {"title", "text"} / {"error": ..}) that `show` renders.
+search/web.py dict ({"results": [..]} / {"title", "text"} / {"error": ..}) that `show` renders.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.answers import boxed, confidence_value, last_block, load_tool_call, tool_call_queries
-from search.web import format_web_results  # lazy: websearch imports the retriever
+from search.web import format_web_results
 from trainer.config import ConfigError, RolloutConfig
 
 # Our own wording of Search-R1's instruction (DESIGN §3): think, search when knowledge is

@@ -1,7 +1,6 @@
 """Training curves from a run's metrics.jsonl: one PNG per family of series.
 
     python eval.py curves runs/tiny-20261122-010203          # writes runs/.../curves/*.png
-    python eval.py curves runs/tiny-20261122-010203                 # the same
 
 Families (a figure is drawn only when its series were logged):
   reward     the reward and each reward component (reward/<name>)
@@ -96,7 +95,8 @@ def draw_curves(run: Path, out_dir: Path | None = None, thresholds: dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="eval.py curves", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="a run directory (holds metrics.jsonl)")
     parser.add_argument("--out", help="output directory (default RUN/curves)")
     args = parser.parse_args(argv)

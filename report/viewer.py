@@ -301,7 +301,8 @@ def write_viewer(records: list[dict], path: str | Path, tokenizer=None, title: s
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="eval.py view", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rollouts", help="rollout records, jsonl")
     ap.add_argument("-o", "--output", required=True, help="HTML file to write")
     ap.add_argument("--tokenizer", help="tokenizer directory (the policy's) for per-token masking")

@@ -19,7 +19,7 @@ closed connection. Concurrent /retrieve requests are batched: one worker thread 
 queue and sends every waiting query to the index in one call, so the dense encoder sees one
 batch, not many; requests whose client has gone are dropped before their search and before
 their passages are read, and each request's passages are read for its own topk only. /search checks at most `max_scan`
-candidates against its operators (websearch.filtered_hits).
+candidates against its operators (web.filtered_hits).
 
 The client (`http_retrieve`) has a timeout that bounds the whole call (retries and a server
 that trickles bytes included), retries 5xx and connection errors with exponential backoff,
@@ -52,7 +52,7 @@ class Limits:
     max_query_chars: int = 2048
     max_topk: int = 100
     body_timeout: float = 10.0  # seconds to receive a request body; a slow client gets a 408
-    max_scan: int = 10_000  # /search: candidates checked against the operators (websearch.MAX_SCAN)
+    max_scan: int = 10_000  # /search: candidates checked against the operators (web.MAX_SCAN)
 
     @property
     def max_body_bytes(self) -> int:  # generous for JSON escaping; a hard cap before parsing

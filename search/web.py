@@ -242,11 +242,11 @@ def filtered_hits(index: Index, q: ParsedQuery, k: int, max_scan: int = MAX_SCAN
 
 
 def operator_search(index: Index, queries: list[str], k: int, max_scan: int = MAX_SCAN) -> list[list[dict]]:
-    """retriever.search's hits, with the operators of each query honoured (site:, -term, ...).
+    """index.search's hits, with the operators of each query honoured (site:, -term, ...).
 
     The search tool of the tiny world's Search-R1 tags: `<search> Tavi Morek born
     site:tinypedia.org</search>` returns only tinypedia passages. A query without operators is
-    passed to retriever.search unchanged (same hits as before operators existed).
+    passed to index.search unchanged (same hits as before operators existed).
     """
     plain = [i for i, query in enumerate(queries) if not SOURCE_OPERATORS.search(query)]
     out: list[list[dict]] = [[] for _ in queries]

@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.config, args.set)
     if not cfg.model.path:
-        raise SystemExit("tiny/warm_start.py needs model.path (the tiny policy's own warm start is tiny/world.py)")
+        raise SystemExit("tiny/warm_start.py needs model.path (the tiny policy's own warm start is python -m tiny.sft)")
     print(describe_precision(cfg), flush=True)
     print(ensure_warm_start(cfg))
 

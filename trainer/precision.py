@@ -20,12 +20,15 @@ What `auto` resolves to, per key:
 A config loaded by config.load_config starts these three keys at auto; a bare Config() is fp32.
 An explicit true / false / dtype always wins. TRAINER_NATIVE_BF16=0 or 1 in the environment
 overrides the detection (the test suite sets 0, so it runs the same code on every CPU).
+`python -m trainer.precision` prints what this machine does and times a bf16 and an fp32 matmul.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -98,3 +101,22 @@ def describe(cfg) -> str:
     flag = lambda b: "true" if b else "false"  # noqa: E731
     return (f"precision: {'bf16' if native else 'fp32'} ({why}); sft.bf16={flag(cfg.sft.bf16)} "
             f"train.bf16={flag(cfg.train.bf16)} model.dtype={cfg.model.dtype}")  # fmt: skip
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
+    """GFLOP/s of an n x n matmul in `dtype` on the CPU (median of reps, after one warm-up)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.matmul(a, b)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+if __name__ == "__main__":  # python -m trainer.precision: what `auto` picks here, and why, measured
+    print(f"{machine()}; native bf16: {native_bf16()[1]}")
+    fp32, bf16 = matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16)
+    print(f"1024 x 1024 matmul on the CPU: fp32 {fp32:.1f} GFLOP/s, bf16 {bf16:.1f} GFLOP/s "
+          f"(bf16 / fp32 {bf16 / fp32:.3f})")
