@@ -58,7 +58,7 @@ def main() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.judge_model, "--host",
-               "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--gpu-memory-utilization", "0.05",
+               "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 * 2**20),
                "--dtype", "float32", "--served-model-name", "judge"]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:

@@ -32,9 +32,12 @@ THINKS = ["So P was born in C.", "I will search again.", "The passage says nothi
 def start(policy, port, log_path=None):
     """A real vLLM OpenAI server on 127.0.0.1:port, its output kept in log_path (a temp file by
     default): a start-up failure raises with the log's tail, so its cause is seen, not guessed."""
+    # The KV cache in bytes, as trainer/engine.py passes it: vLLM CPU's own reading of a share
+    # (--gpu-memory-utilization) takes the NUMA node's free memory minus the process's RSS, and
+    # refused to start here with "less than requested memory for kv (-0.1/0.64 GiB)".
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(policy), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "512", "--gpu-memory-utilization", "0.05", "--dtype", "float32",
-           "--served-model-name", "judge"]  # fmt: skip
+           "--port", str(port), "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 * 2**20),
+           "--dtype", "float32", "--served-model-name", "judge"]  # fmt: skip
     log_path = log_path or tempfile.NamedTemporaryFile(prefix="vllm-judge-", suffix=".log", delete=False).name
     with open(log_path, "ab") as log:
         # VLLM_USE_AOT_COMPILE=0 as trainer/engine.py sets it: the restart test's second start reuses the compile cache

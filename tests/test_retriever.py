@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from search import index as retriever
+from search import corpus
 from search.corpus import scan_corpus
 from search.index import bm25_tokenize, build_index, load_index, search, search_rows
 from trainer.config import ConfigError, DataError
@@ -259,5 +259,5 @@ def test_an_id_hash_collision_is_not_a_duplicate(tmp_path, monkeypatch):
     """Duplicates are found by sorting 64-bit hashes; equal hashes are confirmed on the ids."""
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps({"id": f"d{i}", "contents": "x"}) + "\n" for i in range(50)))
-    monkeypatch.setattr(retriever, "hash", lambda _: 0, raising=False)  # every id collides
+    monkeypatch.setattr(corpus, "hash", lambda _: 0, raising=False)  # every id collides
     assert len(scan_corpus(path)) == 50

@@ -137,8 +137,8 @@ def test_weight_sync_no_longer_warns_about_the_rotary_cache(vllm_engine, micro, 
 
 def test_engine_refuses_to_start_after_numba(micro):
     code = (
-        "import sys; sys.path.insert(0, '.'); import numba; from config import RolloutConfig; "
-        f"from engine import make_engine; make_engine('vllm', {str(micro[2])!r}, RolloutConfig())"
+        "import sys; sys.path.insert(0, '.'); import numba; from trainer.config import RolloutConfig; "
+        f"from trainer.engine import make_engine; make_engine('vllm', {str(micro[2])!r}, RolloutConfig())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode != 0

@@ -255,11 +255,11 @@ def test_queued_work_of_clients_that_have_gone_is_skipped(bm25_dir):
 
 def test_each_request_reads_passages_for_its_own_topk_only(bm25_dir, monkeypatch):
     """A topk-1 request batched with a topk-100 one reads 1 passage per query, not 100."""
-    from search import index as retriever
+    from search import server
 
     index = load_index(bm25_dir)
     reads, started, release = [0], threading.Event(), threading.Event()
-    real_rows, real_get = retriever.search_rows, retriever.get_passage
+    real_rows, real_get = server.search_rows, server.get_passage
 
     def rows(index, queries, k, method=""):
         if queries == ["block"]:  # holds the worker so the next two requests queue up together
@@ -271,8 +271,8 @@ def test_each_request_reads_passages_for_its_own_topk_only(bm25_dir, monkeypatch
         reads[0] += 1
         return real_get(corpus, row)
 
-    monkeypatch.setattr(retriever, "search_rows", rows)
-    monkeypatch.setattr(retriever, "get_passage", get)
+    monkeypatch.setattr(server, "search_rows", rows)  # the names the server looks up
+    monkeypatch.setattr(server, "get_passage", get)
     with app_server(index) as (url, _), ThreadPoolExecutor(3) as pool:
         blocker = pool.submit(post, url, {"queries": ["block"], "topk": 1})
         assert started.wait(10)

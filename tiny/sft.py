@@ -28,7 +28,8 @@ tags and most names are single tokens (BPE of 2,048 on the world), a one-line pr
 batches of similar lengths (little padding), bf16 autocast, constant lr until the last
 quarter (copying appears only after some time at full lr).
 
-Run: `python -m tiny.sft --config configs/tiny.yaml` (same as `python -m tiny.sft ...`).
+Run: `python -m tiny.sft --config configs/tiny.yaml` builds the world, the tokenizer and this policy
+(train.py does it for you when the cache is missing).
 """
 
 from __future__ import annotations
