@@ -184,7 +184,12 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
               step: int = 0, rank: int = 0, world: int = 1) -> dict:  # fmt: skip
     """`epochs` x `mini_batches` optimizer steps on one batch of scored rollouts (`advantage`
     or per-position `advantages` set). Returns the batch means of loss, KL, clip fraction,
-    entropy, gradient norm.
+    entropy, gradient norm. The loss (Search-R1 §3.1's GRPO objective, token-mean form):
+
+        loss = sum_i sum_t m_it [ -min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) + beta KL_it ]
+               / sum_i sum_t m_it,       rho_it = pi_theta / pi_old at token t of rollout i
+
+    with m_it the loss mask (0 on retrieved tokens) and the aggregation of `train.loss_agg`.
 
     pi_old is the engine's sampling logprob for a single on-policy update; with several
     updates (or `recompute_old_logprobs`) it is recomputed by the trainer before the first one,

@@ -342,7 +342,8 @@ def critic_update(
 
 def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, pad_id: int, step: int,
                rank: int = 0, world: int = 1) -> dict:  # fmt: skip
-    """PPO (Search-R1's best runs, trainer/ppo.py): token rewards (the score on the last policy token,
+    """PPO (Search-R1 §3.1, its PPO objective with retrieved-token masking; the equations of GAE
+    and the value loss are this module's docstring): token rewards (the score on the last policy token,
     minus kl_coef x k1 KL to the reference on every policy token when kl_in_reward), GAE over
     policy tokens with the critic's values, whitened advantages; then the clipped policy step
     and as many critic steps on the returns, on the same mini-batches (ppo.critic_update)."""
