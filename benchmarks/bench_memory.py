@@ -127,6 +127,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from convert_gguf import PACKAGED, convert, packaged_gguf  # noqa: E402
+from trainer.precision import matmul_gflops  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / "bench_cache"
 THREADS = 2
@@ -397,19 +398,6 @@ def padding_table(rows: list[dict]) -> str:
 # Part 3: achieved FLOP/s of a training step vs the matmul ceiling.
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
-    """Median FLOP/s of an n x n x n torch.matmul (2 n^3 FLOPs), after two warm-up calls."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(2):
-        torch.matmul(a, b)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.matmul(a, b)
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times)
-
-
 def step_flops(model, n_seqs: int, seq_len: int) -> tuple[float, float]:
     """(matmul FLOPs, attention FLOPs) of one forward + backward (3 x forward) over n_seqs x
     seq_len tokens. Attention is counted causal (half of QK^T and AV): with no padding
@@ -447,7 +435,8 @@ def run_flops(reps: int, n_seqs: int, seq_len: int) -> dict:
         order = list(res) if rep % 2 == 0 else list(reversed(res))
         for key in order:
             if key.startswith("matmul"):
-                res[key].append(matmul_flops(torch.bfloat16 if key.endswith("bf16") else torch.float32))
+                dtype = torch.bfloat16 if key.endswith("bf16") else torch.float32
+                res[key].append(1e9 * matmul_gflops(dtype, 2048, 10))
             else:
                 t = time.perf_counter()
                 grpo_step(model, None, records, optimizer, cfgs[key[5:]], pad_id, step=rep)
