@@ -151,7 +151,6 @@ def markdown(header: list[str], body: list[list]) -> str:
 
 def write_outputs(out: Path, rows: dict, columns: list[str], records: dict, tokenizer=None) -> None:
     """results.md / .csv / .json, rollouts/<row>__<dataset>.jsonl and viewer.html under `out`."""
-
     out.mkdir(parents=True, exist_ok=True)
     header, body = table(rows, columns)
     (out / "results.md").write_text(markdown(header, body))
@@ -173,7 +172,6 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
     between models; writes the tables under `out` and returns rows[row name][dataset].
     judge: adds judge_acc (and judges correctness); reference_row: the row whose rollouts every
     other row's "I don't know" answers are held against (BAPO's rejection success rate)."""
-
     questions = {}
     for path in datasets:
         qs = load_questions(path)

@@ -117,10 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     world = argparse.ArgumentParser(add_help=False)
     world.add_argument("--world", default="tiny")
     if world.parse_known_args(argv)[0].world == "papers":  # its own options and --help (tiny/papers.py)
-
         return papers_main(argv)
     args = parser.parse_args(argv)
-
     try:
         cfg = load_config(args.config, args.set)  # a bad config or override fails here, before any work
     except ConfigError as e:
@@ -142,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
     timings["training"] = time.time() - t0
     print("3/4 evaluating on the held-out test questions ...", flush=True)
     t0 = time.time()
-
     sft = world_dir(cfg) / "policy"
     spec = [("direct (SFT policy)", sft, ["direct"]), ("naive RAG (SFT policy)", sft, ["rag"]),
             ("SFT start, with search", sft, ["agentic"])]  # fmt: skip

@@ -202,7 +202,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="results/tiny_papers.md", help="the markdown report")
     parser.add_argument("--run-dir", default="", help="where runs go (default runs/papers-<time>); reuse to resume")
     args = parser.parse_args(argv)
-
     try:
         for config in RUNS.values():  # a bad config or override fails here, before any work
             load_config(config, args.set)

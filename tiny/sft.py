@@ -176,7 +176,6 @@ def sft_train(
 
 def world_search_tool(cfg: Config, world_path: Path):
     """query -> rendered hits over the world's corpus: the tool the policy uses in rollouts."""
-
     search = open_search(cfg.retriever, world_path / "corpus.jsonl")
     cache: dict[str, str] = {}
 
@@ -190,11 +189,9 @@ def world_search_tool(cfg: Config, world_path: Path):
 
 def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str, str]]]:
     """Teacher trajectories for every training question, with real BM25 observations."""
-
     world = generate_world(cfg.world)  # deterministic: the same world as on disk
     countries, cities = world.countries, list(world.city_country)
     if cfg.rollout.protocol != "search_r1":  # the teacher as a policy through rollout.py (tiny/teachers.py)
-
         if cfg.rollout.chat_template:
             raise ConfigError("the tiny world's teachers write plain prompts: set rollout.chat_template: false")
         tools = make_search_fn(cfg, world_path / "corpus.jsonl", {})
@@ -230,7 +227,6 @@ def copy_probe(cfg: Config, world_path: Path, tool, tokenizer, n: int = 200):
     passage and "<think> P was born in the city of"; the probe is the share of questions whose
     next token(s), argmax and teacher-forced, are the city. Returns model -> accuracy.
     """
-
     rng = random.Random(0)
     examples = []
     plain = [q for q in read_jsonl(world_path / "val.jsonl") if "category" not in q["metadata"]]
@@ -277,7 +273,6 @@ def warn_if_it_cannot_copy(policy_dir: Path) -> None:
 
 def ensure_tiny_policy(cfg: Config) -> Path:
     """Build world, tokenizer and SFT policy once per config key; return the policy dir."""
-
     out = world_dir(cfg)
     policy_dir = out / "policy"
     if (policy_dir / "DONE").exists():
@@ -293,7 +288,6 @@ def ensure_tiny_policy(cfg: Config) -> Path:
             f.write(json.dumps(t) + "\n")
     corpus_texts = [json.loads(line)["contents"] for line in open(out / "corpus.jsonl")]
     texts = corpus_texts + ["".join(s for s, _ in t) for t in trajectories[:2000]]
-
     tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir, PROTOCOL_TAGS[cfg.rollout.protocol])
     examples = []
     for t in trajectories:

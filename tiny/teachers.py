@@ -197,7 +197,6 @@ class TeacherEngine:
 def teacher_rollouts(cfg, questions: list[dict], tools, countries: list[str], cities: list[str]) -> list[dict]:
     """One rollout record per question, the teacher writing cfg.rollout.protocol through
     rollout.rollout_batch (the protocol's parser, tools and observation rendering)."""
-
     engine = TeacherEngine(cfg.rollout.protocol, questions, cfg.sft, cfg.world.seed, countries, cities,
                            cfg.sft.confidence == "random", cfg.rollout.confidence_after_answer)  # fmt: skip
     # lengths count characters here: no budget cuts the teacher (the tiny world's observations are
@@ -208,7 +207,6 @@ def teacher_rollouts(cfg, questions: list[dict], tools, countries: list[str], ci
 
 def protocol_trajectories(cfg, questions: list[dict], tools, countries: list[str], cities: list[str]) -> list:
     """teacher_rollouts as SFT trajectories: (text, role) segments, the prompt first."""
-
     out = []
     for q, r in zip(questions, teacher_rollouts(cfg, questions, tools, countries, cities)):
         prompt = render_prompt(q["question"], cfg.rollout.prompt_template, cfg.rollout)

@@ -111,7 +111,6 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
     by rank 0, and each process writes its own shard of the optimizer state. A write that fails
     (disk full, read-only) removes the partial step_<step>.tmp, which would otherwise hold the disk
     full, keeps the earlier checkpoints, and is a RunDirError naming the path and the cause."""
-
     ckpt = run / "checkpoints" / f"step_{step}"
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     try:
@@ -124,7 +123,6 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
             if rank == 0:
                 model.config.save_pretrained(tmp)
         elif hasattr(model, "peft_config"):  # LoRA: the merged plain policy, and the adapters in lora/
-
             merge_and_save(model, tmp)
         else:
             model.save_pretrained(tmp, safe_serialization=True)

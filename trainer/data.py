@@ -46,21 +46,16 @@ def ensure_policy(cfg: Config, run_dir: Path) -> Path:
     Both warm starts are built in a child process: the teacher uses bm25s (numba), which must not
     be imported in a process that will start vLLM afterwards (DESIGN.md §6).
     """
-    if cfg.model.path:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path has no model: {path / 'config.json'} not found")
-        if not cfg.sft.warm_start:
-            return path
-        policy = warm_start_dir(cfg) / "policy"
-        if not (policy / "DONE").exists():
-            print(f"warm start: fine-tuning {path} on the tiny world's teacher into {policy.parent} (cached) ...",
-                  flush=True)  # fmt: skip
-            run_module("tiny.warm_start", "--config", str(run_dir / "config.yaml"))
+    policy = starting_policy(cfg)
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path has no model: {Path(cfg.model.path) / 'config.json'} not found")
+    if (cfg.model.path and not cfg.sft.warm_start) or (policy / "DONE").exists():
         return policy
-
-    policy = world_dir(cfg) / "policy"
-    if not (policy / "DONE").exists():
+    if cfg.model.path:
+        print(f"warm start: fine-tuning {cfg.model.path} on the tiny world's teacher into {policy.parent} "
+              "(cached) ...", flush=True)  # fmt: skip
+        run_module("tiny.warm_start", "--config", str(run_dir / "config.yaml"))
+    else:
         print(f"building the tiny world and SFT warm start in {policy.parent} (cached) ...", flush=True)
         run_module("tiny.sft", "--config", str(run_dir / "config.yaml"))
     return policy

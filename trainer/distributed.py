@@ -180,7 +180,6 @@ def balanced_micro_batches(share: list[int], lengths: list[int], budget: int, wo
     >>> balanced_micro_batches([0, 2], [30, 29], 64, 1, [0])   # one process: no repeats
     [([2, 0], 1.0)]
     """
-
     micro = [[share[j] for j in b] for b in token_budget_batches(lengths, budget, random.Random(0))]
     n_micro = int(all_reduce(torch.tensor(float(len(micro))), world, "max"))
     return [(idx, 1.0) for idx in micro] + [(micro[0] if micro else filler, 0.0)] * (n_micro - len(micro))

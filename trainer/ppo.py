@@ -272,7 +272,6 @@ def critic_step(
     loss x world (FSDP averages gradients), and runs as many micro-batches as the busiest one
     (zero-weight repeats: the collectives must line up). Returns value_loss, value_clip_frac,
     critic_grad_norm and value_mean (the critic's V on policy tokens before the step)."""
-
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
     masks = [policy_positions(r, mask_retrieved) for r in records]
     n_tokens = max(1, sum(sum(m) for m in masks))
