@@ -260,6 +260,10 @@ class TrainConfig:
     rft_accept: float = 1.0
     # Memory and parallelism (one code path: CPU processes with gloo, GPUs with NCCL).
     fsdp: bool = False  # shard parameters, gradients and optimizer state across processes
+    # Sum the micro-batch gradients in float64 and round once: an update then does not depend on
+    # the number of processes (2 processes step to a 1-process run's weights). Costs a float64
+    # copy of the unsharded gradients per process during the step: for tests and small models.
+    exact_grad_sum: bool = False
     bf16: bool | str = False  # bf16 autocast of forward/backward (fp32 master); loaded: auto, as sft.bf16
     grad_checkpointing: bool = False
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)

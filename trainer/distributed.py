@@ -122,23 +122,31 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    # bf16 compute, fp32 gradient reduction and fp32 master weights (the optimizer steps fp32)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.train.bf16 else None
+    # bf16 compute, fp32 gradient reduction and fp32 master weights (the optimizer steps fp32);
+    # exact_grad_sum: the gradients accumulate and reduce in float64 (see `accumulating`)
+    mp = MixedPrecisionPolicy()
+    if cfg.train.bf16 or cfg.train.exact_grad_sum:
+        reduce_dtype = torch.float64 if cfg.train.exact_grad_sum else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.train.bf16 else None, reduce_dtype=reduce_dtype)
     # Pinned host memory makes the copies to the GPU asynchronous; it needs a GPU, and without
     # one pinning fails ("Cannot access accelerator device when none is available").
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.train.cpu_offload else OffloadPolicy()
-    return {"mp_policy": mp or MixedPrecisionPolicy(), "offload_policy": offload,
+    return {"mp_policy": mp, "offload_policy": offload,
             "reshard_after_forward": reshard_after_forward}  # fmt: skip
 
 
-def _shard_layers(model, kwargs: dict):
+def _shard_layers(model, kwargs: dict, sum_gradients: bool = False):
     """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head: tied
-    weights stay together in the root unit)."""
-    from torch.distributed.fsdp import fully_shard
+    weights stay together in the root unit). sum_gradients: the reduce-scatter sums the
+    processes' gradients instead of averaging them (exact_grad_sum)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    for module in model.modules():
+        if sum_gradients and isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
     return model
 
 
@@ -151,38 +159,77 @@ def shard(model, cfg: Config, reshard_after_forward: bool = True):
 
     reshard_after_forward=False keeps the gathered weights from forward to backward: one
     all-gather per layer less, at the cost of the full model in memory during the step."""
-    return _shard_layers(model, _fsdp_kwargs(cfg, reshard_after_forward))
+    return _shard_layers(model, _fsdp_kwargs(cfg, reshard_after_forward), cfg.train.exact_grad_sum)
 
 
 def shard_critic(critic, cfg: Config):
     """PPO's critic (ppo.Critic: backbone + value head), sharded like the policy: each backbone
     layer its own unit, the head in the root. Build its optimizer afterwards."""
-    return _shard_layers(critic, _fsdp_kwargs(cfg, reshard_after_forward=True))
+    return _shard_layers(critic, _fsdp_kwargs(cfg, reshard_after_forward=True), cfg.train.exact_grad_sum)
 
 
 def all_reduce(x: torch.Tensor, world: int, op: str = "sum") -> torch.Tensor:
     """Sum or max of a small CPU tensor over the processes (a copy; x itself is unchanged)."""
     if world == 1:
         return x
-    import torch.distributed as dist
-
     y = x.clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return y.cpu()
 
 
-def balanced_micro_batches(share: list[int], lengths: list[int], budget: int, world: int,
-                           filler: list[int]) -> list[tuple[list[int], float]]:  # fmt: skip
-    """This process's items `share` (their `lengths`) in token-budget micro-batches, weight 1.0,
-    then zero-weight repeats (of its first micro-batch, or `filler` if it has none) until every
-    process runs as many forward/backward passes: FSDP's collectives must line up.
+def balanced_micro_batches(items: list[int], lengths: list[int], budget: int, rank: int, world: int,
+                           exact: bool = False) -> list[tuple[list[int], float]]:  # fmt: skip
+    """Process `rank`'s micro-batches of the mini-batch `items` (their `lengths`), weight 1.0,
+    then zero-weight repeats until every process runs as many forward/backward passes (FSDP's
+    collectives must line up).
 
-    >>> balanced_micro_batches([0, 2], [30, 29], 64, 1, [0])   # one process: no repeats
-    [([2, 0], 1.0)]
+    Default: the process's share items[rank::world], cut into token-budget micro-batches.
+    exact (train.exact_grad_sum): the whole mini-batch is cut, the same cut whatever the number of
+    processes, and process `rank` takes every world-th micro-batch. Each micro-batch's gradient is
+    then the one a 1-process run computes; only the summing differs (see `accumulating`). Keep
+    micro_batch_tokens small enough for several micro-batches per process, or some only repeat.
+
+    >>> balanced_micro_batches([0, 2, 5, 7], [30, 29, 60, 61], 64, 0, 1)   # one process: no repeats
+    [([2, 0], 1.0), ([5], 1.0), ([7], 1.0)]
+    >>> balanced_micro_batches([0, 2, 5, 7], [30, 29, 60, 61], 64, 1, 2, exact=True)   # rank 1 of 2
+    [([5], 1.0), ([5], 0.0)]
     """
-    micro = [[share[j] for j in b] for b in token_budget_batches(lengths, budget, random.Random(0))]
-    n_micro = int(all_reduce(torch.tensor(float(len(micro))), world, "max"))
-    return [(idx, 1.0) for idx in micro] + [(micro[0] if micro else filler, 0.0)] * (n_micro - len(micro))
+
+    def cut(idx: list[int], lens: list[int]) -> list[list[int]]:
+        return [[idx[j] for j in b] for b in token_budget_batches(lens, budget, random.Random(0))]
+
+    if exact:
+        micro = cut(items, lengths)
+        mine, n_micro = micro[rank::world], -(-len(micro) // world)  # the busiest process runs n_micro
+    else:
+        mine = cut(items[rank::world], lengths[rank::world])
+        n_micro = int(all_reduce(torch.tensor(float(len(mine))), world, "max"))
+    return [(idx, 1.0) for idx in mine] + [(mine[0] if mine else items[:1], 0.0)] * (n_micro - len(mine))
+
+
+def accumulating(model, runs: list, exact: bool, world: int) -> Iterator:
+    """Yield each micro-batch of `runs`; the caller runs its forward and backward in the loop body.
+    Without `exact`, the gradients add up as torch does (fp32, and FSDP reduces each backward).
+
+    With `exact` (train.exact_grad_sum), the update's gradient is the float64 sum of the
+    micro-batch gradients, rounded to float32 once, so it does not depend on which process ran
+    which micro-batch: a 2-process run steps to the weights of a 1-process run. One process keeps
+    float64 sums here; under FSDP the gradients stay unsharded in float64 until the last
+    micro-batch, then one float64 reduce-scatter sums them (see `shard`: reduce_dtype float64,
+    divide factor 1, so the caller's loss is NOT multiplied by the number of processes). The
+    price is a float64 copy of the unsharded gradients on every process during the step."""
+    sums: dict = {}
+    for k, run in enumerate(runs):
+        if exact and world > 1:
+            model.set_requires_gradient_sync(k == len(runs) - 1)
+        yield run
+        if exact and world == 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    sums[p] = p.grad.double() if p not in sums else sums[p].add_(p.grad)
+                    p.grad = None
+    for p, total in sums.items():
+        p.grad = total.float()
 
 
 def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):
@@ -216,10 +263,23 @@ def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):
     return optimizer
 
 
-def clip_grad_norm(module, max_norm: float) -> float:
-    """Clip the global gradient norm; under FSDP2 the norm is a DTensor over all shards."""
-    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+def clip_grad_norm(module, max_norm: float, exact: bool = False, world: int = 1) -> float:
+    """Clip the global gradient norm; under FSDP2 the norm is a DTensor over all shards.
+
+    exact: the squares are summed in float64 (each process its shards, then one all-reduce), so
+    the norm and the clip factor do not depend on how the gradients are sharded."""
+    if not exact:
+        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()
+             if p.grad is not None]  # fmt: skip
+    squares = sum((g.double().square().sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64))
+    norm = float(all_reduce(squares, world).sqrt())
+    coef = max_norm / (norm + 1e-6)  # torch's clip_grad_norm_ factor
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def shard_reference(ref_model, cfg: Config):

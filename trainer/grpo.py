@@ -31,7 +31,7 @@ import torch
 from agent.answers import parsed
 from trainer.batching import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
 from trainer.config import Config
-from trainer.distributed import all_reduce, balanced_micro_batches, clip_grad_norm
+from trainer.distributed import accumulating, all_reduce, balanced_micro_batches, clip_grad_norm
 
 
 def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6, std: str = "group") -> list[float]:
@@ -236,27 +236,28 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
 
 
 def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_id, kl_coef, rank, world) -> dict:
-    """One optimizer step on the mini-batch `mini` (indices into seqs); this process does the
-    micro-batches of its share, padded with zero-weight repeats so every process runs the same
-    number of forward passes (FSDP's collectives must line up)."""
+    """One optimizer step on the mini-batch `mini` (indices into seqs); this process does its
+    share of the mini-batch's micro-batches, padded with zero-weight repeats so every process runs
+    the same number of forward passes (FSDP's collectives must line up)."""
     tcfg = cfg.train
     device = _compute_device(model)
     counts = [float(seqs[i]["loss_mask"].sum()) for i in mini]
     n_tokens = sum(counts)  # the token-mean denominator of the whole mini-batch
     norm = tcfg.loss_norm_tokens or cfg.rollout.max_model_len
     weight = dict(zip(mini, loss_weights([int(c) for c in counts], tcfg.loss_agg, norm)))
-    share = mini[rank::world]
-    runs = balanced_micro_batches(share, [len(seqs[i]["ids"]) for i in share], tcfg.micro_batch_tokens, world, mini[:1])
+    lengths = [len(seqs[i]["ids"]) for i in mini]
+    runs = balanced_micro_batches(mini, lengths, tcfg.micro_batch_tokens, rank, world, tcfg.exact_grad_sum)
+    # x world: FSDP averages gradients over processes (with exact_grad_sum it sums them)
+    scale = 1 if tcfg.exact_grad_sum else world
     model.zero_grad(set_to_none=True)  # not optimizer's: see make_optimizer
-    sums = torch.zeros(4)  # loss, kl, clipped, entropy: sums over policy tokens
+    sums = torch.zeros(4, dtype=torch.float64)  # loss, kl, clipped, entropy: sums over policy tokens
     gap = torch.zeros(())  # max |log pi_trainer - log pi_engine| over sampled tokens
-    for idx, real in runs:
+    for idx, real in accumulating(model, runs, tcfg.exact_grad_sum, world):
         width = max(len(seqs[i]["ids"]) for i in idx)
         ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
         ids, attn = ids.to(device), attn.to(device)
         m = pad_rows([seqs[i]["loss_mask"] for i in idx], width - 1).to(device)
-        # x world: FSDP averages gradients over processes; x real: a padding repeat adds nothing
-        w = torch.tensor([weight[i] for i in idx], device=device)[:, None] * world * real
+        w = torch.tensor([weight[i] for i in idx], device=device)[:, None] * scale * real  # a repeat adds nothing
         with _autocast(tcfg.bf16):
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp_all = torch.log_softmax(logits.float(), -1)
@@ -281,7 +282,7 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
             for j, value in enumerate((tok_loss, kl, clipped, entropy)):
                 sums[j] += float((value * m).sum()) * real
     sums, gap = all_reduce(sums, world, "sum"), all_reduce(gap, world, "max")
-    grad_norm = clip_grad_norm(model, tcfg.grad_clip)
+    grad_norm = clip_grad_norm(model, tcfg.grad_clip, tcfg.exact_grad_sum, world)
     optimizer.step()
     denom = max(n_tokens, 1.0)
     return {"loss": float(sums[0]) / denom, "kl": float(sums[1]) / denom, "clip_frac": float(sums[2]) / denom,

@@ -50,7 +50,7 @@ from torch import nn
 
 from trainer.batching import pad_batch, pad_rows, per_position, policy_positions
 from trainer.config import Config
-from trainer.distributed import all_reduce, balanced_micro_batches, clip_grad_norm, full_weights
+from trainer.distributed import accumulating, all_reduce, balanced_micro_batches, clip_grad_norm, full_weights
 from trainer.grpo import grpo_step, kl_per_position
 
 HEAD_FILE = "value_head.safetensors"
@@ -263,25 +263,28 @@ def critic_step(
     mask_retrieved: bool = True,
     rank: int = 0,
     world: int = 1,
+    exact: bool = False,
 ) -> dict:
     """One optimizer step of the clipped value loss over the records' policy positions.
 
     Token-mean over the whole batch, as grpo.grpo_step: each micro-batch adds its masked sum
     divided by the batch's total policy-token count, so micro-batching does not change the
-    gradient. With several processes (a sharded critic) each takes records[rank::world], its
-    loss x world (FSDP averages gradients), and runs as many micro-batches as the busiest one
-    (zero-weight repeats: the collectives must line up). Returns value_loss, value_clip_frac,
-    critic_grad_norm and value_mean (the critic's V on policy tokens before the step)."""
+    gradient. With several processes (a sharded critic) each takes its share of the
+    micro-batches, its loss x world (FSDP averages gradients; `exact`: float64 sums, x 1), and runs
+    as many micro-batches as the busiest one (zero-weight repeats: the collectives must line up).
+    Returns value_loss, value_clip_frac, critic_grad_norm and value_mean (the critic's V on
+    policy tokens before the step)."""
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
     masks = [policy_positions(r, mask_retrieved) for r in records]
     n_tokens = max(1, sum(sum(m) for m in masks))
-    share = list(range(len(records)))[rank::world]
-    runs = balanced_micro_batches(share, [len(seqs[i]) for i in share], micro_batch_tokens, world, [0])
+    lengths = [len(s) for s in seqs]
+    runs = balanced_micro_batches(list(range(len(records))), lengths, micro_batch_tokens, rank, world, exact)
+    scale = 1 if exact else world  # FSDP averages gradients over processes (exact: sums them)
     device = next(critic.parameters()).device
     critic.train()
     optimizer.zero_grad(set_to_none=True)
-    totals = torch.zeros(3)  # value_loss, value_clip_frac, value_mean
-    for idx, real in runs:
+    totals = torch.zeros(3, dtype=torch.float64)  # value_loss, value_clip_frac, value_mean
+    for idx, real in accumulating(critic, runs, exact, world):
         ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
         width = ids.shape[1] - 1
         m = pad_rows([masks[i] for i in idx], width).to(device)
@@ -289,12 +292,12 @@ def critic_step(
         ret = pad_rows([returns[i] for i in idx], width).to(device)
         values = critic(ids.to(device), attn.to(device))
         loss, clipped = _value_loss_terms(values, old, ret, cfg_clip)
-        ((loss * m).sum() / n_tokens * world * real).backward()
+        ((loss * m).sum() / n_tokens * scale * real).backward()
         with torch.no_grad():
             for j, x in enumerate((loss, clipped, values)):
                 totals[j] += float((x * m).sum() / n_tokens) * real
     totals = all_reduce(totals, world, "sum")
-    grad_norm = clip_grad_norm(critic, grad_clip)
+    grad_norm = clip_grad_norm(critic, grad_clip, exact, world)
     optimizer.step()
     critic.eval()
     return {"value_loss": float(totals[0]), "value_clip_frac": float(totals[1]), "value_mean": float(totals[2]),
@@ -317,6 +320,7 @@ def critic_update(
     epochs: int = 1,
     mini_batches: int = 1,
     seed: int = 0,
+    exact: bool = False,
 ) -> dict:
     """`epochs` x `mini_batches` critic steps on one batch, as the actor takes (verl's PPO
     mini-batches the critic like the actor: ppo_epochs x ppo_mini_batch_size). The mini-batches
@@ -333,7 +337,7 @@ def critic_update(
             mini = order[part::mini_batches]
             stats = critic_step(critic, optimizer, [records[i] for i in mini], [old_values[i] for i in mini],
                                 [returns[i] for i in mini], cfg_clip, micro_batch_tokens, pad_id, grad_clip,
-                                mask_retrieved, rank, world)  # fmt: skip
+                                mask_retrieved, rank, world, exact)  # fmt: skip
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value / (epochs * mini_batches)
     return totals
@@ -362,6 +366,6 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
         del r["advantages"]  # per-token lists would bloat samples/*.jsonl
     critic_stats = critic_update(critic, critic_opt, records, values, returns, tcfg.value_clip, tcfg.micro_batch_tokens,
                                  pad_id, tcfg.grad_clip, tcfg.mask_retrieved, rank, world, tcfg.epochs,
-                                 tcfg.mini_batches, tcfg.seed * 1000003 + step)  # fmt: skip
+                                 tcfg.mini_batches, tcfg.seed * 1000003 + step, tcfg.exact_grad_sum)  # fmt: skip
     return stats | critic_stats
 
