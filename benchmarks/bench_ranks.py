@@ -1,6 +1,7 @@
 """One process against two: rollout and weight-sync seconds per step of train.py itself.
 
     python benchmarks/bench_ranks.py --config configs/tiny.yaml [--steps 4] [--out results/x.json]
+    python benchmarks/bench_ranks.py --set train.exact_grad_sum=true    # what float64 sums cost
 
 Three short runs of the same config and seed, one after the other (nothing else running):
   * `1 process`: one engine generates every rollout, the weights sync in memory;
@@ -47,10 +48,12 @@ def main() -> None:
     parser.add_argument("--config", default="configs/tiny.yaml", help="config to train (default: the tiny world)")
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps per run")
     parser.add_argument("--out", default="", help="also write the JSON report to this file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (repeatable): train.exact_grad_sum=true")  # fmt: skip
     args = parser.parse_args()
-    common = [f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.fsdp=true"]
+    common = [f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.fsdp=true"] + args.set
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    report = {"machine": precision.machine(), "config": args.config, "steps": args.steps}
+    report = {"machine": precision.machine(), "config": args.config, "steps": args.steps, "set": args.set}
     with tempfile.TemporaryDirectory() as tmp:
         report["1 process"] = run("one", [sys.executable], args.config, common + ["train.fsdp=false"], Path(tmp))
         report["2 processes, memory"] = run("two-memory", torchrun, args.config,

@@ -37,6 +37,8 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
                no checkpointing:  T * L * per_layer
                checkpointing:     T * L * a * h  (each layer's input)  +  T * per_layer  (the
                                   one layer being recomputed in the backward pass)
+  exact sums = P * 8                train.exact_grad_sum: float64 gradient sums, unsharded on every
+                                    GPU through the step (the critic's too, in its working set)
   logits     = T * V * 4            fp32 for the log-softmax: big (5 GB at T = 8192, V = 152k);
                a lower bound, a naive log_softmax and its backward hold 2-3 such tensors
   overhead   = 2 GB                 our allowance: CUDA context, NCCL buffers, fragmentation
@@ -266,11 +268,14 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     else:
         add("activations", "policy: activations", full, f"{T} tok x {a.layers} layers x {per_layer} B")
     add("logits", "policy: logits fp32 (big)", T * a.vocab * 4, f"{T} tok x {a.vocab} x 4 B")
-    policy_ws = gpu["fsdp_gathered"] + gpu["activations"] + gpu["logits"]
+    sums = 8 if t.exact_grad_sum else 0  # float64 bytes per parameter, unsharded until the step's last backward
+    add("exact_sums", "policy: float64 gradient sums", n * sums, f"{sci(n)} x 8 B" if sums else "exact_grad_sum off")
+    policy_ws = gpu["fsdp_gathered"] + gpu["activations"] + gpu["logits"] + gpu["exact_sums"]
     gpu["critic_working_set"] = 0.0
     if t.algo == "ppo":  # the critic steps after the policy: only the larger working set counts
         critic_root = a.vocab * a.hidden + 2 * a.hidden + 1  # embeddings, final norm, value head
         nbytes = ((2 * critic_root + 3 * layer_params(a)) * e if t.fsdp else 0) + gpu["activations"] * GB
+        nbytes += n_critic * sums
         add("critic_working_set", "critic: gathered + activations", nbytes, "after the policy's; the larger counts")
     total = resident + max(policy_ws, gpu["critic_working_set"])
     budget = (1 - hw.vllm_memory_fraction) * hw.gpu_memory_gb
@@ -312,15 +317,16 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
 def advice(cfg: Config, plan: dict) -> list[str]:
     """Ways to make a plan fit, each one line with the peak it leads to.
 
-    First the switches, cheapest first and one on top of the other until the run fits: gradient
-    checkpointing (about a third more compute), FSDP, 8-bit AdamW, CPU offload (the slowest).
+    First the switches, cheapest first and one on top of the other until the run fits: no
+    exact_grad_sum (a test setting), gradient checkpointing (about a third more compute), FSDP,
+    8-bit AdamW, CPU offload (the slowest).
     Then, on its own, the largest micro-batch that fits as configured.
     """
     t, out = cfg.train, []
     if not plan["train_fits"]:
         chain, trial = [], copy.deepcopy(cfg)
-        for key, value in [("grad_checkpointing", True), ("fsdp", True), ("optimizer", "adamw8bit"),
-                           ("cpu_offload", True)]:  # fmt: skip
+        for key, value in [("exact_grad_sum", False), ("grad_checkpointing", True), ("fsdp", True),
+                           ("optimizer", "adamw8bit"), ("cpu_offload", True)]:  # fmt: skip
             if getattr(trial.train, key) == value or (key == "fsdp" and cfg.hardware.gpus == 1):
                 continue
             setattr(trial.train, key, value)
