@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,3 +193,18 @@ def test_a_shared_engine_needs_vllm_in_the_training_process(override):
         load_config(None, ["rollout.tensor_parallel_size=2", override])
     with pytest.raises(ConfigError, match="config key 'rollout.weight_sync' must be one of memory, file"):
         load_config(None, ["rollout.weight_sync=disk"])
+
+
+def test_config_cli_lists_every_key_with_its_note_and_a_bad_file_is_one_line():
+    """`python -m trainer.config --keys SECTION`: every field of the section, its value and the
+    comment beside / above it in trainer/config.py; a missing file: one line, no traceback."""
+    run = [sys.executable, "-m", "trainer.config"]
+    keys = subprocess.run(run + ["--keys", "train", "--set", "train.steps=3"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.splitlines()  # fmt: skip
+    assert [line.split(" = ")[0] for line in keys] == [f"train.{f.name}" for f in dataclasses.fields(TrainConfig)]
+    assert "train.steps = 3" in keys
+    note = next(line for line in keys if line.startswith("train.exact_grad_sum"))
+    assert "float64" in note and "number of processes" in note  # the comment block above the field
+    assert any(line.startswith("train.group_size = 8  rollouts per question") for line in keys)  # the comment beside
+    bad = subprocess.run(run + ["no/such.yaml"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and bad.stderr.strip() == "error: config file not found: no/such.yaml"

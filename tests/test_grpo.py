@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from trainer.distributed import accumulating
 from trainer.grpo import group_advantages, grpo_token_loss, k3_kl
 
 
@@ -280,3 +281,20 @@ def test_bapo_resampling_enlarges_the_group_in_the_plateau_stage_only():
     cfg = load_config(None, ["train.resample_groups=2", "train.resample_mode=replace", "train.resample_stage=always"])
     records, count = resample_marked_groups(first, questions, roll_out, cfg, 0, "exploration")
     assert count == 2 and [r["group_id"] for r in records].count("tiny:q1") == 2  # replaced each time
+
+
+def test_exact_grad_sum_adds_micro_batch_gradients_in_float64_in_any_order():
+    """One process, train.exact_grad_sum: the update's gradient is the float64 sum of the
+    micro-batch gradients, rounded once. Gradients 1, 1e-8, -1: summed in float32 as torch
+    accumulates them, the 1e-8 is lost (1 + 1e-8 == 1) and the order decides; in float64 it
+    survives in every order."""
+    def summed(order: list[float], exact: bool) -> float:
+        w = torch.nn.Parameter(torch.zeros(()))
+        for g in accumulating(torch.nn.ParameterList([w]), order, exact, world=1):
+            (w * g).backward()
+        return float(w.grad)
+
+    assert summed([1.0, 1e-8, -1.0], exact=False) == 0.0
+    assert summed([1.0, -1.0, 1e-8], exact=False) == pytest.approx(1e-8)
+    for order in ([1.0, 1e-8, -1.0], [1.0, -1.0, 1e-8], [1e-8, -1.0, 1.0]):
+        assert summed(order, exact=True) == pytest.approx(1e-8, rel=1e-6)

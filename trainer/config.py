@@ -16,7 +16,8 @@ must not exit having trained nothing).
     ...
     trainer.config.ConfigError: unknown config key 'train.lr_rate' (known keys in train: seed, steps, ...)
 
-Run `python -m trainer.config configs/tiny.yaml` to print the resolved config.
+Run `python -m trainer.config configs/tiny.yaml` to print the resolved config, and
+`python -m trainer.config --keys train` for every key of a section with what it means.
 
 One file on purpose (about 580 lines): every key beside its default, its allowed values
 (CHOICES) and its range (RANGES) is the reference a user reads; split, it would be three lists
@@ -25,7 +26,9 @@ to keep in step.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import inspect
 import math
 import sys
 import typing
@@ -582,5 +585,49 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def key_notes(section: type) -> dict[str, str]:
+    """Each field of a config dataclass with the comment beside it and the comment lines just
+    above it, read from this file: what `python -m trainer.config --keys` prints."""
+    notes, above = {}, []
+    for line in inspect.getsource(section).splitlines()[2:]:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# "))
+        elif ":" in text and text.split(":")[0].isidentifier():
+            name, _, rest = text.partition(":")
+            beside = rest.partition("  # ")[2]
+            notes[name] = " ".join(above + [beside]).strip()
+            above = []
+        else:
+            above = []
+    return notes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.config",
+        description="Print a resolved config (the defaults, then the YAML file, then --set), or every key "
+        "with its default and what it means (--keys).",
+    )  # fmt: skip
+    parser.add_argument("config", nargs="?", help="a YAML config (default: the built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key (repeatable)")
+    parser.add_argument("--keys", nargs="?", const="", metavar="SECTION",
+                        help="list the keys (of one section, e.g. train) with their values and notes")  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+    except (ConfigError, DataError) as e:
+        sys.exit(f"error: {e}")
+    if args.keys is None:
+        print(yaml.safe_dump(config_to_dict(cfg)), end="")
+        return
+    for section in dataclasses.fields(cfg):
+        if args.keys in ("", section.name):
+            value = getattr(cfg, section.name)
+            notes = key_notes(type(value))
+            for f in dataclasses.fields(value):
+                print(f"{section.name}.{f.name} = {getattr(value, f.name)!r}  {notes.get(f.name, '')}".rstrip())
+
+
 if __name__ == "__main__":
-    print(yaml.safe_dump(config_to_dict(load_config(sys.argv[1] if len(sys.argv) > 1 else None))))
+    main()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -201,6 +202,9 @@ def balanced_micro_batches(items: list[int], lengths: list[int], budget: int, ra
     if exact:
         micro = cut(items, lengths)
         mine, n_micro = micro[rank::world], -(-len(micro) // world)  # the busiest process runs n_micro
+        if len(micro) < world:
+            warnings.warn(f"train.exact_grad_sum: {len(micro)} micro-batch(es) for {world} processes, so some "
+                          "only repeat; lower train.micro_batch_tokens to share the work", stacklevel=2)  # fmt: skip
     else:
         mine = cut(items[rank::world], lengths[rank::world])
         n_micro = int(all_reduce(torch.tensor(float(len(mine))), world, "max"))
