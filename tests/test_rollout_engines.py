@@ -95,6 +95,26 @@ def test_vllm_and_hf_agree_greedily(vllm_engine, setup, micro):
 
 
 def test_weight_sync_makes_vllm_match_the_trainer(vllm_engine, micro):
+    check_weight_sync(vllm_engine, micro)
+
+
+def test_file_weight_sync_to_an_engine_in_its_own_process(micro):
+    """rollout.weight_sync: file, the fallback: vLLM's engine in a spawned process, the weights
+    through a safetensors file that its workers load (engine.WeightFileReload, which they import
+    by its module's name)."""
+    from trainer.engine import make_engine
+
+    _, cfg, policy, _ = micro
+    engine = make_engine("vllm", policy, cfg.rollout, separate_process=True)
+    try:
+        check_weight_sync(engine, micro)
+    finally:
+        engine.close()
+
+
+def check_weight_sync(vllm_engine, micro) -> None:
+    """The engine scores a fixed sequence as the trainer does (1e-4), no longer after an update,
+    and again after load_weights."""
     _, cfg, policy, _ = micro
     tok = load_tokenizer(policy)
     model = load_policy(policy)

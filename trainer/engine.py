@@ -175,7 +175,8 @@ class VLLMEngine:
         from vllm import LLM
 
         logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload_warning)
-        extension = {"worker_extension_cls": "engine.WeightFileReload"} if separate_process else {}
+        # this module's name, not a literal: the spawned worker imports it by that name
+        extension = {"worker_extension_cls": f"{__name__}.WeightFileReload"} if separate_process else {}
         if launcher:  # one engine per training process (or per tensor-parallel group), in process
             extension = {"distributed_executor_backend": "external_launcher",
                          "tensor_parallel_size": cfg.tensor_parallel_size}  # fmt: skip
