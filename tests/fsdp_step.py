@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,19 +73,12 @@ def main(spec_path: str) -> None:
     rank, world, _ = distributed.init()
     spec = json.loads(Path(spec_path).read_text())
     records = json.loads(Path(spec["records"]).read_text())
-    # One thread, as each launched process has (OMP_NUM_THREADS=1): how many threads split a
-    # matmul changes its summation order, and the exact case compares bits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for n, case in enumerate(spec["cases"]):
-            if case.get("sharded_only") and world == 1:
-                continue
-            stats = run_case(case, spec, records, rank, world, first=n == 0)
-            if distributed.is_main(rank):
-                print(f"{case['name']} world={world}: {json.dumps(stats)}", flush=True)
-    finally:
-        torch.set_num_threads(threads)
+    for n, case in enumerate(spec["cases"]):
+        if case.get("sharded_only") and world == 1:
+            continue
+        stats = run_case(case, spec, records, rank, world, first=n == 0)
+        if distributed.is_main(rank):
+            print(f"{case['name']} world={world}: {json.dumps(stats)}", flush=True)
     distributed.close(world)
 
 

@@ -92,14 +92,17 @@ def build(tmp: Path) -> dict:
 
 
 def launch(spec_path: Path, world: int) -> subprocess.Popen:
-    """tests/fsdp_step.py under `accelerate launch`: --multi_gpu is accelerate's torchrun
-    launcher, which with no GPU starts CPU processes (gloo); `--cpu` would start only one."""
+    """tests/fsdp_step.py: world 1 is plain python; world 2 is `accelerate launch`, whose
+    --multi_gpu is its torchrun launcher, which with no GPU starts CPU processes (gloo); `--cpu`
+    would start only one."""
     from conftest import free_port
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), str(ROOT / "tests" / "fsdp_step.py"), str(spec_path)]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": "1"}  # 2 processes on 2 cores
+    cmd = [sys.executable, str(ROOT / "tests" / "fsdp_step.py"), str(spec_path)]
+    if world > 1:
+        cmd[1:1] = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
+                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                    "--main_process_port", str(free_port())]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1"}  # one thread per process
     # own session: on failure the launcher and its workers are stopped together (killpg)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
@@ -113,24 +116,24 @@ def write_spec(spec: dict, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(single-process out dir, 2-process out dir, model dir). The 2-process launch runs while
-    this process does the world-1 run of the same script (in process: it saves ~9 s of imports)."""
-    import fsdp_step
-
+    """(single-process out dir, 2-process out dir, model dir). The world-1 run of the same script
+    runs beside the 2-process launch, in a fresh process of its own with one thread as each rank
+    has: the test's process may have loaded vLLM, which changes torch's CPU kernels, and how many
+    threads split a matmul changes its sum (the exact case compares bits)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     spec = build(tmp)
     t0 = time.time()
-    proc = launch(write_spec(spec, tmp / "fsdp"), world=2)
+    procs = [launch(write_spec(spec, tmp / "fsdp"), world=2), launch(write_spec(spec, tmp / "single"), world=1)]
     try:
-        fsdp_step.main(str(write_spec(spec, tmp / "single")))
-        t_single = time.time() - t0
-        log, _ = proc.communicate(timeout=300)
+        logs = [proc.communicate(timeout=300)[0] for proc in procs]
     finally:
-        if proc.poll() is None:  # a failure here, or a hung collective there
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-    assert proc.returncode == 0, log[-6000:]
-    print(f"\nworld-1 run {t_single:.1f} s, 2-process FSDP launch {time.time() - t0:.1f} s (concurrent)")
+        for proc in procs:
+            if proc.poll() is None:  # a hung collective
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-6000:]
+    print(f"\nworld-1 run and 2-process FSDP launch together: {time.time() - t0:.1f} s")
     return tmp / "single", tmp / "fsdp", tmp / "model"
 
 

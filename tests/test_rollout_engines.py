@@ -10,12 +10,11 @@ import sys
 from dataclasses import replace
 
 import pytest
-import torch
 from conftest import ROOT
+from weight_sync_check import check_weight_sync
 
 from rollout import STOP
 from search.tools import make_search_fn
-from trainer.batching import token_logprobs
 from trainer.engine import RELOAD_LOGGER, load_policy, load_tokenizer, make_engine, quiet_rotary_reload_warning
 
 
@@ -95,46 +94,17 @@ def test_vllm_and_hf_agree_greedily(vllm_engine, setup, micro):
 
 
 def test_weight_sync_makes_vllm_match_the_trainer(vllm_engine, micro):
-    check_weight_sync(vllm_engine, micro)
+    check_weight_sync(vllm_engine, micro[2])
 
 
 def test_file_weight_sync_to_an_engine_in_its_own_process(micro):
     """rollout.weight_sync: file, the fallback: vLLM's engine in a spawned process, the weights
     through a safetensors file that its workers load (engine.WeightFileReload, which they import
-    by its module's name)."""
-    from trainer.engine import make_engine
-
-    _, cfg, policy, _ = micro
-    engine = make_engine("vllm", policy, cfg.rollout, separate_process=True)
-    try:
-        check_weight_sync(engine, micro)
-    finally:
-        engine.close()
-
-
-def check_weight_sync(vllm_engine, micro) -> None:
-    """The engine scores a fixed sequence as the trainer does (1e-4), no longer after an update,
-    and again after load_weights."""
-    _, cfg, policy, _ = micro
-    tok = load_tokenizer(policy)
-    model = load_policy(policy)
-    ids = tok.encode("Answer the question. Question: Where was Ka Bo born?\n<think> I need", add_special_tokens=False)
-    x = torch.tensor([ids])
-    attn = torch.ones_like(x)
-    with torch.no_grad():
-        before = token_logprobs(model, x, attn)[0]
-    assert vllm_engine.score(ids) == pytest.approx(before.tolist(), abs=1e-4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    (-token_logprobs(model, x, attn).sum()).backward()
-    opt.step()
-    with torch.no_grad():
-        after = token_logprobs(model, x, attn)[0].tolist()
-    stale = vllm_engine.score(ids)
-    assert max(abs(a - b) for a, b in zip(stale, after)) > 1e-2  # before the sync: no match
-    vllm_engine.load_weights(model.state_dict().items())
-    synced = vllm_engine.score(ids)
-    assert max(abs(a - b) for a, b in zip(synced, after)) < 1e-4
-    vllm_engine.load_weights(load_policy(policy).state_dict().items())  # restore for other tests
+    by its module's name). In a fresh process: this one has imported numba by now."""
+    done = subprocess.run([sys.executable, "tests/weight_sync_check.py", str(micro[0]), str(micro[2])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "weight sync through the file: ok" in done.stdout
 
 
 def test_weight_sync_no_longer_warns_about_the_rotary_cache(vllm_engine, micro, caplog):

@@ -1,0 +1,56 @@
+"""An engine's weight sync against the trainer, on a fixed sequence; run as a script, through the
+file channel into an engine in a process of its own.
+
+    python tests/weight_sync_check.py CONFIG POLICY_DIR     # rollout.weight_sync: file (exit 0: ok)
+
+A script, not a test body: pytest's process has imported bm25s / numba by the time the test runs,
+and vLLM must start before them (engine.VLLMEngine refuses otherwise). tests/test_rollout_engines.py
+calls `check_weight_sync` on its in-process engine and runs this file for the spawned one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.batching import token_logprobs  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.engine import load_policy, load_tokenizer, make_engine  # noqa: E402
+
+
+def check_weight_sync(engine, policy: str | Path) -> None:
+    """The engine scores a fixed sequence as the trainer does (1e-4), no longer after an update
+    (so the check can fail), and again after load_weights; then the start weights go back."""
+    tok = load_tokenizer(policy)
+    model = load_policy(policy)
+    ids = tok.encode("Answer the question. Question: Where was Ka Bo born?\n<think> I need", add_special_tokens=False)
+    x = torch.tensor([ids])
+    attn = torch.ones_like(x)
+
+    def gap(scores: list[float]) -> float:
+        with torch.no_grad():
+            trainer = token_logprobs(model, x, attn)[0].tolist()
+        return max(abs(a - b) for a, b in zip(scores, trainer))
+
+    assert gap(engine.score(ids)) < 1e-4
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    (-token_logprobs(model, x, attn).sum()).backward()
+    opt.step()
+    assert gap(engine.score(ids)) > 1e-2  # before the sync: no match
+    engine.load_weights(model.state_dict().items())
+    assert gap(engine.score(ids)) < 1e-4
+    engine.load_weights(load_policy(policy).state_dict().items())  # the start weights, for what follows
+
+
+if __name__ == "__main__":
+    cfg = load_config(sys.argv[1])
+    file_engine = make_engine("vllm", sys.argv[2], cfg.rollout, separate_process=True)
+    try:
+        check_weight_sync(file_engine, sys.argv[2])
+    finally:
+        file_engine.close()
+    print("weight sync through the file: ok")
