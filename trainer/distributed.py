@@ -125,10 +125,8 @@ def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
 
     # bf16 compute, fp32 gradient reduction and fp32 master weights (the optimizer steps fp32);
     # exact_grad_sum: the gradients accumulate and reduce in float64 (see `accumulating`)
-    mp = MixedPrecisionPolicy()
-    if cfg.train.bf16 or cfg.train.exact_grad_sum:
-        reduce_dtype = torch.float64 if cfg.train.exact_grad_sum else torch.float32
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.train.bf16 else None, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.train.bf16 else None,
+                              reduce_dtype=torch.float64 if cfg.train.exact_grad_sum else torch.float32)  # fmt: skip
     # Pinned host memory makes the copies to the GPU asynchronous; it needs a GPU, and without
     # one pinning fails ("Cannot access accelerator device when none is available").
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.train.cpu_offload else OffloadPolicy()
@@ -136,18 +134,20 @@ def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
             "reshard_after_forward": reshard_after_forward}  # fmt: skip
 
 
-def _shard_layers(model, kwargs: dict, sum_gradients: bool = False):
+def _shard_layers(model, kwargs: dict):
     """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head: tied
-    weights stay together in the root unit). sum_gradients: the reduce-scatter sums the
-    processes' gradients instead of averaging them (exact_grad_sum)."""
+    weights stay together in the root unit). The reduce-scatter SUMS the processes' gradients
+    (FSDP averages by default): each process's loss is already divided by the whole batch's
+    token count, so the sum is the 1-process gradient and no loss is scaled by the world size."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     for module in model.modules():
-        if sum_gradients and isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return model
 
 
@@ -160,13 +160,13 @@ def shard(model, cfg: Config, reshard_after_forward: bool = True):
 
     reshard_after_forward=False keeps the gathered weights from forward to backward: one
     all-gather per layer less, at the cost of the full model in memory during the step."""
-    return _shard_layers(model, _fsdp_kwargs(cfg, reshard_after_forward), cfg.train.exact_grad_sum)
+    return _shard_layers(model, _fsdp_kwargs(cfg, reshard_after_forward))
 
 
 def shard_critic(critic, cfg: Config):
     """PPO's critic (ppo.Critic: backbone + value head), sharded like the policy: each backbone
     layer its own unit, the head in the root. Build its optimizer afterwards."""
-    return _shard_layers(critic, _fsdp_kwargs(cfg, reshard_after_forward=True), cfg.train.exact_grad_sum)
+    return _shard_layers(critic, _fsdp_kwargs(cfg, reshard_after_forward=True))
 
 
 def all_reduce(x: torch.Tensor, world: int, op: str = "sum") -> torch.Tensor:
@@ -219,9 +219,8 @@ def accumulating(model, runs: list, exact: bool, world: int) -> Iterator:
     micro-batch gradients, rounded to float32 once, so it does not depend on which process ran
     which micro-batch: a 2-process run steps to the weights of a 1-process run. One process keeps
     float64 sums here; under FSDP the gradients stay unsharded in float64 until the last
-    micro-batch, then one float64 reduce-scatter sums them (see `shard`: reduce_dtype float64,
-    divide factor 1, so the caller's loss is NOT multiplied by the number of processes). The
-    price is a float64 copy of the unsharded gradients on every process during the step."""
+    micro-batch, then one float64 reduce-scatter sums them (`_fsdp_kwargs`: reduce_dtype float64).
+    The price is a float64 copy of the unsharded gradients on every process during the step."""
     sums: dict = {}
     for k, run in enumerate(runs):
         if exact and world > 1:

@@ -247,8 +247,6 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
     weight = dict(zip(mini, loss_weights([int(c) for c in counts], tcfg.loss_agg, norm)))
     lengths = [len(seqs[i]["ids"]) for i in mini]
     runs = balanced_micro_batches(mini, lengths, tcfg.micro_batch_tokens, rank, world, tcfg.exact_grad_sum)
-    # x world: FSDP averages gradients over processes (with exact_grad_sum it sums them)
-    scale = 1 if tcfg.exact_grad_sum else world
     model.zero_grad(set_to_none=True)  # not optimizer's: see make_optimizer
     sums = torch.zeros(4, dtype=torch.float64)  # loss, kl, clipped, entropy: sums over policy tokens
     gap = torch.zeros(())  # max |log pi_trainer - log pi_engine| over sampled tokens
@@ -257,7 +255,7 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
         ids, attn = ids.to(device), attn.to(device)
         m = pad_rows([seqs[i]["loss_mask"] for i in idx], width - 1).to(device)
-        w = torch.tensor([weight[i] for i in idx], device=device)[:, None] * scale * real  # a repeat adds nothing
+        w = torch.tensor([weight[i] for i in idx], device=device)[:, None] * real  # a repeat adds nothing
         with _autocast(tcfg.bf16):
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp_all = torch.log_softmax(logits.float(), -1)

@@ -270,8 +270,8 @@ def critic_step(
     Token-mean over the whole batch, as grpo.grpo_step: each micro-batch adds its masked sum
     divided by the batch's total policy-token count, so micro-batching does not change the
     gradient. With several processes (a sharded critic) each takes its share of the
-    micro-batches, its loss x world (FSDP averages gradients; `exact`: float64 sums, x 1), and runs
-    as many micro-batches as the busiest one (zero-weight repeats: the collectives must line up).
+    micro-batches (FSDP sums the processes' gradients; `exact`: in float64), and runs as many
+    micro-batches as the busiest one (zero-weight repeats: the collectives must line up).
     Returns value_loss, value_clip_frac, critic_grad_norm and value_mean (the critic's V on
     policy tokens before the step)."""
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
@@ -279,7 +279,6 @@ def critic_step(
     n_tokens = max(1, sum(sum(m) for m in masks))
     lengths = [len(s) for s in seqs]
     runs = balanced_micro_batches(list(range(len(records))), lengths, micro_batch_tokens, rank, world, exact)
-    scale = 1 if exact else world  # FSDP averages gradients over processes (exact: sums them)
     device = next(critic.parameters()).device
     critic.train()
     optimizer.zero_grad(set_to_none=True)
@@ -292,7 +291,7 @@ def critic_step(
         ret = pad_rows([returns[i] for i in idx], width).to(device)
         values = critic(ids.to(device), attn.to(device))
         loss, clipped = _value_loss_terms(values, old, ret, cfg_clip)
-        ((loss * m).sum() / n_tokens * scale * real).backward()
+        ((loss * m).sum() / n_tokens * real).backward()
         with torch.no_grad():
             for j, x in enumerate((loss, clipped, values)):
                 totals[j] += float((x * m).sum() / n_tokens) * real
