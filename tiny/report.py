@@ -23,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py runs from
 
 def train_runs(jobs: list[tuple], parallel: int, sets: list[str], run_dir: Path) -> dict:
     """Every job (key, run name, config, overrides) as its own train.py process, `parallel` at
-    a time. Returns {key: {"run": path, "minutes": m}}."""
+    a time. Returns {key: {"run": path, "minutes": m}} in the jobs' order, not the order they
+    finished in: a caller that lists the runs (an evaluation's models) lists them the same way on a
+    re-run that finds them all finished."""
     jobs = list(jobs)
+    order = [job[0] for job in jobs]
     threads = 1 if parallel > 1 else 2
     # vLLM CPU reserves host RAM from gpu_memory_utilization; two runs at 0.3 run out of 24 GB
     memory = ["rollout.gpu_memory_utilization=0.1"] if parallel > 1 else []
@@ -67,7 +70,7 @@ def train_runs(jobs: list[tuple], parallel: int, sets: list[str], run_dir: Path)
             done[key] = {"run": run, "minutes": (time.time() - t0) / 60}
             (run / "wall_minutes.txt").write_text(f"{done[key]['minutes']:.2f}")  # kept when a rerun reuses it
             print(f"  finished {name} in {done[key]['minutes']:.1f} min", flush=True)
-    return done
+    return {key: done[key] for key in order}
 
 
 def last_checkpoint(run: Path) -> Path:
