@@ -1,6 +1,6 @@
 """Cross-check against a peer: our GRPO loss, gradients, KL and advantages against TRL's own code.
 
-One file on purpose (about 640 lines): each section sits beside the TRL lines it mirrors, and the
+One file on purpose (about 700 lines): each section sits beside the TRL lines it mirrors, and the
 notes that explain each difference sit beside the section that measures it.
 
     python benchmarks/bench_trl.py     # first run installs TRL into benchmarks/bench_cache/trl_pkgs
@@ -171,6 +171,7 @@ import textwrap
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 T0 = time.perf_counter()
@@ -411,17 +412,39 @@ def table() -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def main() -> int:
-    t_install = time.perf_counter()
-    trl, gt, tu = import_trl()
-    t_import = time.perf_counter() - t_install
-    torch.set_num_threads(2)
+@dataclass
+class Fixture:
+    """The fixed inputs every section reads: models, records, TRL's tensors, our batch."""
+
+    gt: object  # trl.trainer.grpo_trainer
+    tu: object  # trl.trainer.utils
+    policy32: torch.nn.Module
+    ref32: torch.nn.Module
+    policy: torch.nn.Module  # float64, with TRL's fused head added
+    records: list[dict]
+    inputs: dict  # TRL's padded completion tensors
+    batch: dict  # ours: sequence tensors and the reference's full logprobs
+    ids: torch.Tensor
+    attn: torch.Tensor
+    cur: torch.Tensor  # the policy's float64 logprobs, every position
+    ref_full: torch.Tensor
+    C: int  # the longest response
+
+    @property
+    def cur_c(self) -> torch.Tensor:  # the logprobs at the completion positions
+        return self.cur[:, P - 1 : P - 1 + self.C]
+
+    @property
+    def on(self) -> torch.Tensor:  # policy tokens (completion and not retrieved)
+        return (self.inputs["completion_mask"] * self.inputs["tool_mask"]) > 0
+
+
+def build_fixture(gt, tu) -> Fixture:
+    """Seed-0 models and records; old logprobs = current + N(0, 0.3), float32 as an engine gives them."""
     policy32, ref32 = tiny_models()
     policy, ref = copy.deepcopy(policy32).double(), copy.deepcopy(ref32).double()
     tu.add_fused_lm_head(policy, outputs=("log_probs", "entropy"))  # as GRPOTrainer.__init__ does
     tu.add_fused_lm_head(ref)
-
-    # ---- inputs: records (grpo_step's view) and TRL's padded completion tensors
     rng = torch.Generator().manual_seed(0)
     records = make_records(rng)
     rewards = [r["reward"] for r in records]
@@ -439,7 +462,6 @@ def main() -> int:
         n = len(r["response_ids"])
         r["logprobs"] = [float(torch.tensor(float(cur[i, P - 1 + j] + noise[i, j]), dtype=torch.float32))
                          if r["loss_mask"][j] else 0.0 for j in range(n)]  # fmt: skip
-    seqs = sequence_tensors(records)
     C = max(len(r["response_ids"]) for r in records)
     comp_mask = padded([[1] * len(r["response_ids"]) for r in records], C)
     inputs = {
@@ -452,44 +474,41 @@ def main() -> int:
         "old_per_token_logps": padded([r["logprobs"] for r in records], C),
         "ref_per_token_logps": ref_full[:, P - 1 : P - 1 + C].clone(),
     }
-    mask = (inputs["completion_mask"] * inputs["tool_mask"]).double()
-    inputs["num_items_in_batch"] = mask.sum()
-    batch = {"seqs": seqs, "ref_full": ref_full}
-    n_tok = int(mask.sum())
-    print(f"TRL {trl.__version__} from {Path(trl.__file__).parent}  (import {t_import:.1f} s); transformers "
-          f"{transformers.__version__}, torch {torch.__version__}\n{len(records)} rollouts (G={G}, Q={Q}), "
-          f"{n_tok} policy tokens of {int(comp_mask.sum())} response tokens, C={C}, max_completion_length={MAXC}",
-          flush=True)  # fmt: skip
+    inputs["num_items_in_batch"] = (inputs["completion_mask"] * inputs["tool_mask"]).double().sum()
+    batch = {"seqs": sequence_tensors(records), "ref_full": ref_full}
+    return Fixture(gt, tu, policy32, ref32, policy, records, inputs, batch, ids, attn, cur, ref_full, C)
 
-    # ---- per-token logprobs: our lines vs TRL's fused LM head
+
+def check_logprobs(f: Fixture) -> None:
     section("per-token logprobs on policy tokens (TRL: _get_per_token_logps_and_entropies, fused LM head)")
-    trainer = make_trainer(gt, policy)
+    trainer = make_trainer(f.gt, f.policy)
+    inp = f.inputs
     with torch.no_grad():
         trl_logp, _, _ = trainer._get_per_token_logps_and_entropies(
-            policy, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), C)  # fmt: skip
-        ours32 = token_logprobs(copy.deepcopy(policy32), ids, attn)[:, P - 1 :]
-    cur_c = cur[:, P - 1 : P - 1 + C]
-    on = mask > 0
-    row("logp fp64 (grpo_step's lines)", "log_softmax+gather <-> fused head", cur_c[on], trl_logp[on], 1e-5)
+            f.policy, torch.cat([inp["prompt_ids"], inp["completion_ids"]], 1),
+            torch.cat([inp["prompt_mask"], inp["completion_mask"]], 1), f.C)  # fmt: skip
+        ours32 = token_logprobs(copy.deepcopy(f.policy32), f.ids, f.attn)[:, P - 1 :]
+    on = f.on
+    row("logp fp64 (grpo_step's lines)", "log_softmax+gather <-> fused head", f.cur_c[on], trl_logp[on], 1e-5)
     row("logp fp32 (batching.token_logprobs)", "log_softmax+gather <-> fused head", ours32[on], trl_logp[on], 1e-5)
 
-    # ---- advantages
+
+def check_advantages(f: Fixture) -> None:
     section("advantages (grpo.group_advantages <-> the block of GRPOTrainer._generate_and_score_completions)")
-    adv_src = trl_snippet(gt.GRPOTrainer._generate_and_score_completions,
+    adv_src = trl_snippet(f.gt.GRPOTrainer._generate_and_score_completions,
                           "unscorable_mask = torch.isnan(rewards_per_func)",
                           "advantages = torch.nan_to_num(advantages, nan=0.0)")  # fmt: skip
     eps_note = ("advantage eps: TRL divides by (std + 1e-4), a literal in GRPOTrainer._generate_and_score_completions "
                 "(trl/trainer/grpo_trainer.py); ours by (std + train.adv_eps), default 1e-6. Same centring on the "
                 "group mean, same unbiased std (trl.trainer.utils.nanstd applies Bessel's correction, like our "
                 "group_advantages); aligned: adv_eps = 1e-4.")  # fmt: skip
-    groups = [r["group_id"] for r in records]
+    rewards, groups = [r["reward"] for r in f.records], [r["group_id"] for r in f.records]
     for scale in ("group", "batch", "none"):
-        t = make_trainer(gt, policy, scale_rewards=scale)
+        t = make_trainer(f.gt, f.policy, scale_rewards=scale)
         ns = {
             "self": t,
             "torch": torch,
-            "nanstd": tu.nanstd,
+            "nanstd": f.tu.nanstd,
             "num_generations": G,
             "rewards_per_func": torch.tensor(rewards, dtype=torch.float64)[:, None],
             "device": torch.device("cpu"),
@@ -502,15 +521,17 @@ def main() -> int:
             row("advantages, adv_eps=1e-4 (aligned)", pair, group_advantages(rewards, groups, eps=1e-4, std=scale),
                 ns["advantages"], 1e-6)  # fmt: skip
 
-    # ---- loss and gradients, one batch
+
+def check_losses(f: Fixture) -> float:
+    """Loss, gradient, KL and clipping of one batch, all four aggregations; returns the clip fraction."""
     section("loss, gradient (all parameters), KL, clipping; one batch; TRL given our fp64 logprobs")
-    stats = {}
+    clip = 0.0
     for beta in (0.0, BETA):
         for ours_mode, trl_type in MODES:
-            t = make_trainer(gt, policy, loss_type=trl_type, beta=beta)
-            theirs = trl_run(t, policy, inputs)
-            ours = ours_fns(policy, batch, ours_mode, beta)
-            step = ours_grpo_step(policy32, ref32, records, ours_mode, beta)
+            t = make_trainer(f.gt, f.policy, loss_type=trl_type, beta=beta)
+            theirs = trl_run(t, f.policy, f.inputs)
+            ours = ours_fns(f.policy, f.batch, ours_mode, beta)
+            step = ours_grpo_step(f.policy32, f.ref32, f.records, ours_mode, beta)
             pair, b = f"{ours_mode} <-> {trl_type}", f"b={beta:g}"
             row(f"loss {b} fp64", pair, ours["loss"], theirs["loss"], 1e-6, scale=ours["scale"])
             row(f"grad {b} fp64", pair, ours["grad"], theirs["grad"], 1e-6)
@@ -523,42 +544,51 @@ def main() -> int:
                 row(f"KL mean {b} grpo_step fp32", "totals kl <-> metrics kl", step["kl"], kl_mean, 1e-5)
                 row(f"clip fraction {b} grpo_step fp32", "clip_frac <-> clip_ratio/region", step["clip_frac"],
                     theirs["metrics"]["clip_ratio/region_mean"], 1e-5)  # fmt: skip
-                stats["clip"] = step["clip_frac"]
+                clip = step["clip_frac"]
 
     section("the same, end to end: TRL computes logprobs with its fused LM head (float32 accumulators)")
     for ours_mode, trl_type in MODES:
-        t = make_trainer(gt, policy, loss_type=trl_type, beta=BETA)
-        theirs = trl_run(t, policy, inputs, fused=True)
-        ours = ours_fns(policy, batch, ours_mode, BETA)
+        t = make_trainer(f.gt, f.policy, loss_type=trl_type, beta=BETA)
+        theirs = trl_run(t, f.policy, f.inputs, fused=True)
+        ours = ours_fns(f.policy, f.batch, ours_mode, BETA)
         pair = f"{ours_mode} <-> {trl_type}"
         row(f"loss b={BETA:g} TRL fused head", pair, ours["loss"], theirs["loss"], 1e-5, scale=ours["scale"])
         row(f"grad b={BETA:g} TRL fused head", pair, ours["grad"], theirs["grad"], 1e-5)
+    return clip
 
-    # ---- KL per token: TRL's statements from _compute_loss
-    section("KL k3 per policy token (grpo.kl_estimate <-> the per_token_kl lines of GRPOTrainer._compute_loss)")
-    kl_src = trl_snippet(gt.GRPOTrainer._compute_loss, 'ref_per_token_logps = inputs["ref_per_token_logps"]',
+
+def trl_kl(f: Fixture, inp: dict, bias_kl: bool) -> torch.Tensor:
+    """TRL's per_token_kl lines of GRPOTrainer._compute_loss, run on `inp`."""
+    kl_src = trl_snippet(f.gt.GRPOTrainer._compute_loss, 'ref_per_token_logps = inputs["ref_per_token_logps"]',
                          "per_token_kl = per_token_kl * coef_1")  # fmt: skip
+    t = make_trainer(f.gt, f.policy, bias_kl=bias_kl)
+    coef_1 = torch.exp(f.cur_c - inp["old_per_token_logps"])
+    ns = {"self": t, "torch": torch, "inputs": inp, "per_token_logps": f.cur_c, "coef_1": coef_1}
+    exec(kl_src, ns)
+    return ns["per_token_kl"]
 
-    def trl_kl(inp, bias_kl: bool) -> torch.Tensor:
-        t = make_trainer(gt, policy, bias_kl=bias_kl)
-        coef_1 = torch.exp(cur_c - inp["old_per_token_logps"])
-        ns = {"self": t, "torch": torch, "inputs": inp, "per_token_logps": cur_c, "coef_1": coef_1}
-        exec(kl_src, ns)
-        return ns["per_token_kl"]
 
-    ours_kl = kl_estimate(cur, ref_full, "k3")[:, P - 1 :]
-    stats["kl_mean"], stats["kl_max"] = float(ours_kl[on].mean()), float(ours_kl[on].max())
-    assert stats["kl_max"] < 10, "the main inputs must not reach the k3 clamp (it is probed separately)"
-    row("KL per token fp64", "kl_estimate k3 <-> per_token_kl", ours_kl[on], trl_kl(inputs, False)[on], 1e-6)
+def check_kl(f: Fixture) -> tuple[float, float]:
+    """k3 per policy token; returns its mean and max on the main inputs."""
+    section("KL k3 per policy token (grpo.kl_estimate <-> the per_token_kl lines of GRPOTrainer._compute_loss)")
+    ours_kl = kl_estimate(f.cur, f.ref_full, "k3")[:, P - 1 :]
+    on = f.on
+    kl_mean, kl_max = float(ours_kl[on].mean()), float(ours_kl[on].max())
+    assert kl_max < 10, "the main inputs must not reach the k3 clamp (it is probed separately)"
+    row("KL per token fp64", "kl_estimate k3 <-> per_token_kl", ours_kl[on], trl_kl(f, f.inputs, False)[on], 1e-6)
+    return kl_mean, kl_max
 
+
+def check_conventions(f: Fixture) -> None:
+    """Each convention that differs from TRL's, next to its aligned check."""
     section("conventions that differ, each next to its aligned check")
     bias_note = ("KL importance weight: TRL's default use_bias_correction_kl=True (GRPOConfig; applied in "
                  "GRPOTrainer._compute_loss) multiplies per_token_kl by the ratio pi/pi_old (DeepSeek-V3.2), which "
                  "also changes the KL gradient on-policy, and logs the weighted KL; ours adds beta * k3 unweighted. "
                  "Aligned: use_bias_correction_kl=False (every other b=0.04 row).")  # fmt: skip
-    t = make_trainer(gt, policy, loss_type="dapo", beta=BETA, bias_kl=True)
-    theirs = trl_run(t, policy, inputs)
-    ours = ours_fns(policy, batch, "token-mean", BETA)
+    t = make_trainer(f.gt, f.policy, loss_type="dapo", beta=BETA, bias_kl=True)
+    theirs = trl_run(t, f.policy, f.inputs)
+    ours = ours_fns(f.policy, f.batch, "token-mean", BETA)
     pair = "token-mean <-> dapo"
     row(f"loss b={BETA:g}, TRL default KL", pair, ours["loss"], theirs["loss"], 1e-6, bias_note, ours["scale"])
     row(f"grad b={BETA:g}, TRL default KL", pair, ours["grad"], theirs["grad"], 1e-6, bias_note)
@@ -566,28 +596,30 @@ def main() -> int:
         1e-6, bias_note)  # fmt: skip
 
     # the k3 clamp: a reference far more confident than the policy on every 5th policy token
-    far = inputs["ref_per_token_logps"].clone()
+    on, cur_c, C = f.on, f.cur_c, f.C
+    far = f.inputs["ref_per_token_logps"].clone()
     pick = torch.zeros_like(on)
     pick.view(-1)[on.view(-1).nonzero().squeeze(1)[::5]] = True
     far[pick] = cur_c[pick] + 3.0  # k3 = e^3 - 3 - 1 = 16.1 > 10
-    far_inputs = inputs | {"ref_per_token_logps": far}
-    far_full = ref_full.clone()
+    far_inputs = f.inputs | {"ref_per_token_logps": far}
+    far_full = f.ref_full.clone()
     far_full[:, P - 1 : P - 1 + C] = far
     clamp_note = ("k3 clamp: ours clamps k3 to [-10, 10] (grpo.kl_estimate, DESIGN §4, as verl's low_var_kl); "
                   "TRL's per_token_kl in GRPOTrainer._compute_loss is not clamped. Probe: ref = logp + 3 on every "
                   "5th policy token (k3 = 16.1). Aligned: grpo.kl_estimate without the clamp, patched in this "
                   "process for those rows only.")  # fmt: skip
     row("KL per token, k3 up to 16", "kl_estimate k3 <-> per_token_kl",
-        kl_estimate(cur, far_full, "k3")[:, P - 1 :][on], trl_kl(far_inputs, False)[on], 1e-6, clamp_note)  # fmt: skip
-    t = make_trainer(gt, policy, loss_type="bnpo", beta=BETA)
-    theirs = trl_run(t, policy, far_inputs)
-    ours = ours_fns(policy, batch, "token-mean", BETA, ref=far_full)
+        kl_estimate(f.cur, far_full, "k3")[:, P - 1 :][on], trl_kl(f, far_inputs, False)[on], 1e-6,
+        clamp_note)  # fmt: skip
+    t = make_trainer(f.gt, f.policy, loss_type="bnpo", beta=BETA)
+    theirs = trl_run(t, f.policy, far_inputs)
+    ours = ours_fns(f.policy, f.batch, "token-mean", BETA, ref=far_full)
     pair = "token-mean <-> bnpo"
     row(f"loss b={BETA:g}, k3 up to 16", pair, ours["loss"], theirs["loss"], 1e-6, clamp_note, ours["scale"])
     clamped = grpo.kl_estimate
     grpo.kl_estimate = lambda logp, ref_logp, kind="k3": torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
     try:
-        ours = ours_fns(policy, batch, "token-mean", BETA, ref=far_full)
+        ours = ours_fns(f.policy, f.batch, "token-mean", BETA, ref=far_full)
     finally:
         grpo.kl_estimate = clamped
     row(f"loss b={BETA:g}, k3 up to 16, unclamped", pair, ours["loss"], theirs["loss"], 1e-6, scale=ours["scale"])
@@ -599,13 +631,15 @@ def main() -> int:
                  f"ours by train.loss_norm_tokens, whose default 0 means rollout.max_model_len ({max_len}, prompt "
                  f"included): a constant factor on loss and gradient. Aligned: loss_norm_tokens = "
                  f"max_completion_length (every other dr_grpo row).")  # fmt: skip
-    t = make_trainer(gt, policy, loss_type="dr_grpo", beta=BETA)
-    theirs = trl_run(t, policy, inputs)
-    ours = ours_fns(policy, batch, "seq-mean-token-sum-norm", BETA, norm=max_len)
+    t = make_trainer(f.gt, f.policy, loss_type="dr_grpo", beta=BETA)
+    theirs = trl_run(t, f.policy, f.inputs)
+    ours = ours_fns(f.policy, f.batch, "seq-mean-token-sum-norm", BETA, norm=max_len)
     pair = "seq-mean-token-sum-norm <-> dr_grpo"
     row(f"loss b={BETA:g}, loss_norm_tokens=0", pair, ours["loss"], theirs["loss"], 1e-6, norm_note, ours["scale"])
 
-    # ---- gradient accumulation: TRL calls _compute_loss per micro-batch
+
+def check_accumulation(f: Fixture) -> None:
+    """TRL calls _compute_loss per micro-batch; ours is the one-batch loss whatever the split."""
     section("two micro-batches (gradient accumulation 2); ours is the one-batch loss")
     accum_note = ("micro-batches: TRL's grpo / bnpo / dr_grpo normalise each micro-batch by its own sequences or "
                   "tokens and divide by current_gradient_accumulation_steps (GRPOTrainer._compute_loss), exact "
@@ -614,24 +648,43 @@ def main() -> int:
                   "num_items_in_batch, the whole batch's token count, like our token-mean. Aligned: equal "
                   "micro-batches (10+10 rollouts).")  # fmt: skip
     halves = {"8+12": [list(range(8)), list(range(8, 20))], "10+10": [list(range(10)), list(range(10, 20))]}
-    ours_by_mode = {m: ours_fns(policy, batch, m, BETA) for m, _ in MODES}
+    ours_by_mode = {m: ours_fns(f.policy, f.batch, m, BETA) for m, _ in MODES}
     for split, parts in halves.items():
         for ours_mode, trl_type in MODES:
             if split == "10+10" and trl_type in ("dapo", "bnpo"):
                 continue  # equal halves still differ in token count; dapo passes on 8+12 already
-            t = make_trainer(gt, policy, loss_type=trl_type, beta=BETA, accum=2)
-            theirs = trl_run(t, policy, inputs, parts)
+            t = make_trainer(f.gt, f.policy, loss_type=trl_type, beta=BETA, accum=2)
+            theirs = trl_run(t, f.policy, f.inputs, parts)
             why = accum_note if split == "8+12" and trl_type != "dapo" else ""
             ours, pair = ours_by_mode[ours_mode], f"{ours_mode} <-> {trl_type}"
             row(f"loss b={BETA:g}, {split} rollouts", pair, ours["loss"], theirs["loss"], 1e-6, why, ours["scale"])
             row(f"grad b={BETA:g}, {split} rollouts", pair, ours["grad"], theirs["grad"], 1e-6, why)
 
+
+def main() -> int:
+    t_install = time.perf_counter()
+    trl, gt, tu = import_trl()
+    t_import = time.perf_counter() - t_install
+    torch.set_num_threads(2)
+    f = build_fixture(gt, tu)
+    comp_mask = f.inputs["completion_mask"]
+    print(f"TRL {trl.__version__} from {Path(trl.__file__).parent}  (import {t_import:.1f} s); transformers "
+          f"{transformers.__version__}, torch {torch.__version__}\n{len(f.records)} rollouts (G={G}, Q={Q}), "
+          f"{int(f.on.sum())} policy tokens of {int(comp_mask.sum())} response tokens, C={f.C}, "
+          f"max_completion_length={MAXC}", flush=True)  # fmt: skip
+    check_logprobs(f)
+    check_advantages(f)
+    clip = check_losses(f)
+    kl_mean, kl_max = check_kl(f)
+    check_conventions(f)
+    check_accumulation(f)
+
     wall = time.perf_counter() - T0
-    ratio = torch.exp(cur_c - inputs["old_per_token_logps"])[on]
+    ratio = torch.exp(f.cur_c - f.inputs["old_per_token_logps"])[f.on]
     outside = float(((ratio < 1 - EPS_LOW) | (ratio > 1 + EPS_HIGH)).double().mean())
     print(f"ratios pi/pi_old on policy tokens: {float(ratio.min()):.2f}..{float(ratio.max()):.2f}, {outside:.0%} "
-          f"outside [1-{EPS_LOW}, 1+{EPS_HIGH}], clipped branch active on {stats['clip']:.0%};\nk3 mean "
-          f"{stats['kl_mean']:.3f}, max {stats['kl_max']:.2f}\n")  # fmt: skip
+          f"outside [1-{EPS_LOW}, 1+{EPS_HIGH}], clipped branch active on {clip:.0%};\nk3 mean "
+          f"{kl_mean:.3f}, max {kl_max:.2f}\n")  # fmt: skip
     print(table())
     checks = [r for r in ROWS if not isinstance(r, str)]
     fails = sum(r[5].startswith("FAIL") for r in checks)
