@@ -276,7 +276,9 @@ def clip_grad_norm(module, max_norm: float, exact: bool = False, world: int = 1)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()
              if p.grad is not None]  # fmt: skip
-    squares = sum((g.double().square().sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64))
+    # one host copy, not one per parameter (each .cpu() waits for the GPU)
+    local = [g.double().square().sum() for g in grads]
+    squares = (torch.stack(local).sum() if local else torch.zeros((), dtype=torch.float64)).cpu()
     norm = float(all_reduce(squares, world).sqrt())
     coef = max_norm / (norm + 1e-6)  # torch's clip_grad_norm_ factor
     if coef < 1:
