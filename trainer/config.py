@@ -33,6 +33,7 @@ import inspect
 import math
 import sys
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,12 @@ class DataError(ValueError):
 class RunDirError(RuntimeError):
     """The run directory cannot be written (read-only, not a directory, disk full) or a checkpoint
     in it cannot be read safely; the message names the path and the cause (trainer/checkpoint.py)."""
+
+
+class TrainingFault(RuntimeError):
+    """The run cannot go on safely: a non-finite reward, loss, gradient or weight, a process that
+    stopped answering. The step is abandoned before the optimizer touches the weights; the message
+    says what and where, and the last good checkpoint is kept for `--resume`."""
 
 
 @dataclass
@@ -155,8 +162,10 @@ class RetrieverConfig:
     index_factory: str = "Flat"  # faiss index_factory string for a default dense index
     search_params: str = ""  # faiss search parameters, e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
     bm25_backend: str = "scipy"  # scipy | numpy (bm25s) | numba (fastest; 10-30 s compile per process)
-    timeout: float = 30.0  # HTTP client: seconds per attempt
-    retries: int = 3  # HTTP client: retries of 5xx / connection errors, exponential backoff from 0.5 s
+    timeout: float = 30.0  # HTTP client: seconds one search may take, retries of a server that is down included
+    # HTTP client: 0, one attempt; any other value, retry 5xx and connection errors until `timeout` (backoff 0.5 s
+    # doubling to 4 s). Not a count: 3 retries gave up after 3.5 s of backoff, however long the timeout.
+    retries: int = 3
 
 
 @dataclass
@@ -279,6 +288,9 @@ class TrainConfig:
     cpu_offload: bool = False  # FSDP: parameters and optimizer state live in CPU memory
     keep_checkpoints: int = 2  # only the latest N checkpoints are kept
     threads: int = 2  # torch CPU threads for the trainer
+    # Seconds a process waits in a collective (gather, barrier, reduce) for the others before the
+    # run stops naming the process that stopped answering; torch's own default is 30 min.
+    dist_timeout: float = 600.0
     eval_every: int = 10
     save_every: int = 10  # checkpoint every N steps (0: only at the end)
     samples_per_step: int = 4  # trajectories written to samples/ each step
@@ -481,6 +493,7 @@ RANGES = {
     "train.lora_dropout": "[0, 1)",
     "train.keep_checkpoints": ">= 1",
     "train.threads": ">= 1",
+    "train.dist_timeout": "> 0",
     "train.eval_every": ">= 0",  # 0: never
     "train.save_every": ">= 0",  # 0: only at the end
     "train.samples_per_step": ">= 0",
@@ -522,6 +535,10 @@ def _check_ranges(cfg: Config) -> None:
     if 0 < t.dual_clip <= 1:
         raise ConfigError(f"config key 'train.dual_clip' must be 0 (off) or > 1 (dual-clip PPO's c: at c <= 1 the "
                           f"cap -c A would clip on-policy tokens too); got {t.dual_clip!r}")  # fmt: skip
+    url = urllib.parse.urlsplit(cfg.retriever.url)
+    if cfg.retriever.url and (url.scheme not in ("http", "https") or not url.hostname):
+        raise ConfigError(f"config key 'retriever.url' must be an http(s) URL such as http://127.0.0.1:8000 "
+                          f"(or empty: search in process); got {cfg.retriever.url!r}")  # fmt: skip
     m = cfg.model
     if not m.path and m.hidden_size % m.num_heads:  # the tiny policy is built from these numbers
         raise ConfigError(f"config key 'model.hidden_size' must be a multiple of model.num_heads; "

@@ -30,7 +30,7 @@ import torch
 
 from agent.answers import parsed
 from trainer.batching import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
-from trainer.config import Config
+from trainer.config import Config, TrainingFault
 from trainer.distributed import accumulating, all_reduce, balanced_micro_batches, clip_grad_norm
 
 
@@ -280,12 +280,30 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
             for j, value in enumerate((tok_loss, kl, clipped, entropy)):
                 sums[j] += float((value * m).sum()) * real
     sums, gap = all_reduce(sums, world, "sum"), all_reduce(gap, world, "max")
+    ensure_finite(model, float(sums[0]), "loss")  # summed over every process: each rank raises alike
     grad_norm = clip_grad_norm(model, tcfg.grad_clip, tcfg.exact_grad_sum, world)
+    ensure_finite(model, grad_norm, "gradient norm")
     optimizer.step()
     denom = max(n_tokens, 1.0)
     return {"loss": float(sums[0]) / denom, "kl": float(sums[1]) / denom, "clip_frac": float(sums[2]) / denom,
             "entropy": float(sums[3]) / denom, "grad_norm": grad_norm, "policy_tokens": n_tokens,
             "engine_logp_gap": float(gap)}  # fmt: skip
+
+
+def ensure_finite(model, value: float, what: str) -> None:
+    """Stop the step before the optimizer touches the weights when `value` (the loss, or the
+    gradient norm, both reduced over every process so each rank stops alike) is NaN or inf. One
+    NaN reward or weight would otherwise spread to every weight in a single AdamW step, and the
+    next checkpoint would keep it. The gradients are dropped; the message names the first
+    non-finite weight when that is the cause, so the user knows whether to look at the data
+    (rewards, advantages) or at the model."""
+    if math.isfinite(value):
+        return
+    model.zero_grad(set_to_none=True)
+    bad = next((name for name, w in model.named_parameters()
+                if not bool(torch.isfinite(w.to_local() if hasattr(w, "to_local") else w).all())), None)  # fmt: skip
+    cause = f"the weight {bad} is already non-finite" if bad else "the weights are finite: see rewards, advantages"
+    raise TrainingFault(f"non-finite {what} ({value}); {cause}; the optimizer step was skipped, weights unchanged")
 
 
 def memory_savers(model, cfg: Config):

@@ -51,7 +51,7 @@ from torch import nn
 from trainer.batching import pad_batch, pad_rows, per_position, policy_positions
 from trainer.config import Config
 from trainer.distributed import accumulating, all_reduce, balanced_micro_batches, clip_grad_norm, full_weights
-from trainer.grpo import grpo_step, kl_per_position
+from trainer.grpo import ensure_finite, grpo_step, kl_per_position
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -296,7 +296,9 @@ def critic_step(
             for j, x in enumerate((loss, clipped, values)):
                 totals[j] += float((x * m).sum() / n_tokens) * real
     totals = all_reduce(totals, world, "sum")
+    ensure_finite(critic, float(totals[0]), "value loss")
     grad_norm = clip_grad_norm(critic, grad_clip, exact, world)
+    ensure_finite(critic, grad_norm, "critic gradient norm")
     optimizer.step()
     critic.eval()
     return {"value_loss": float(totals[0]), "value_clip_frac": float(totals[1]), "value_mean": float(totals[2]),
