@@ -28,21 +28,27 @@ The table (`REWARDS`), by paper, with the equation each implements:
   reliability, source_restricting, think_answer, info_think, think_search.
 
 Composition: a config names a reward ("deliberative") or a weighted sum of table entries
-("0.9*em + 0.1*think_answer"); parameters go in `train.reward_params`. Offline audit:
+("0.9*em + 0.1*think_answer"); parameters go in `train.reward_params`. `check_reward` checks both
+before a run starts (a misspelt parameter names itself: every reward takes `**_`, so nothing
+else would), and a reward that comes out NaN or infinite stops the step (TrainingFault). Offline audit:
 
     python rewards.py --reward bapo --input rollouts.jsonl --output scores.jsonl
 
-One file on purpose (about 530 lines): the five papers' rewards side by side in one table is
+One file on purpose (about 690 lines): the five papers' rewards side by side in one table is
 what a reader compares and a fork edits; the parsing and the judge they share live in agent/.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import inspect
 import json
 import math
+import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.answers import (
@@ -58,6 +64,7 @@ from agent.answers import (
 )
 from agent.judge import make_judge
 from search.web import SOURCE_OPERATORS
+from trainer.config import ConfigError, TrainingFault
 
 # --------------------------------------------------------------------------------------------
 # Components (each one a reward on its own) and the papers' rewards.
@@ -384,32 +391,163 @@ RANGES = {name: (0.0, 1.0) for name in REWARDS} | {
 }  # fmt: skip
 
 
-def parse_spec(spec: str) -> list[tuple[float, str]]:
+# The "module:function" rewards of specs parsed so far (the table above stays this file's own).
+LOADED: dict[str, Callable] = {}
+
+
+def reward_fn(name: str) -> Callable:
+    """The function of a reward name of a parsed spec: a table entry or a loaded module:function."""
+    return REWARDS[name] if name in REWARDS else LOADED[name]
+
+
+def _label(key: str, sub: str = "") -> str:
+    """How an error names a setting: config key 'train.reward_params.zeta', or `--set zeta` (CLI)."""
+    if key.startswith("--"):
+        return f"{key} {sub}".strip()
+    return f"config key '{key}{'.' + sub if sub else ''}'"
+
+
+# A term of a spec: an optional weight and "*", then a table name or "module:function"; terms are
+# joined by "+" or "-" (not the "-" of an exponent: "1e-3*em" is one term).
+_NAME = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?")
+_OPERATOR = re.compile(r"(?<![\d.][eE])([+-])")
+
+
+def parse_spec(spec: str, key: str = "train.reward") -> list[tuple[float, str]]:
     """'deliberative' -> [(1, 'deliberative')]; '0.9*em + 0.1*think_answer' -> two terms.
+
+    A weight that is not a finite number ('nan*em'), a malformed sum ('0.5*em +', '0.5*',
+    '2*3*em', '0.5 em'), a name given twice or an unknown name is a ConfigError naming `key`
+    and the bad part. A "module:function" name is imported here (it must be importable, e.g.
+    from PYTHONPATH) and kept in LOADED.
 
     >>> parse_spec("0.9*em + 0.1 * think_answer")
     [(0.9, 'em'), (0.1, 'think_answer')]
+    >>> parse_spec("em - 1e-3*format")
+    [(1.0, 'em'), (-0.001, 'format')]
     """
-    terms = []
-    for part in spec.replace("-", "+-").split("+"):
-        part = part.strip()
-        if not part:
+
+    def bad(what: str, grammar: bool = True) -> ConfigError:
+        form = " (a reward name, a weighted sum such as '0.9*em + 0.1*think_answer', or 'module:function')"
+        return ConfigError(f"{_label(key)} is {spec!r}: {what}{form if grammar else ''}")
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise bad("empty")
+    pieces = _OPERATOR.split(spec)  # [term, op, term, op, term, ...]
+    signed = [("+", pieces[0]), *zip(pieces[1::2], pieces[2::2])]
+    terms: list[tuple[float, str]] = []
+    carry = 1.0  # a sign before a sign: "-0.1*em" at the start, "em + -0.1*format"
+    for n, (op, part) in enumerate(signed):
+        part, sign = part.strip(), carry * (-1.0 if op == "-" else 1.0)
+        following = signed[n + 1][0] if n + 1 < len(signed) else ""
+        if not part and (following == "-" or (n == 0 and following == "+")):
+            carry = sign
             continue
-        w, _, name = part.rpartition("*")
-        name = name.strip()
-        if name not in REWARDS and ":" in name:  # "my_module:my_reward", a reward kept outside this repo
+        carry = 1.0
+        if not part:
+            raise bad("an empty term (a '+' or '-' with nothing on one side)")
+        if part.count("*") > 1:
+            raise bad(f"'*' twice in term {part!r}")
+        weight, star, name = part.rpartition("*")
+        weight, name = weight.strip(), name.strip()
+        if star and not weight:
+            raise bad(f"term {part!r} has '*' but no weight")
+        if star and not name:
+            raise bad(f"weight {weight!r} has no reward name after its '*'")
+        try:
+            w = float(weight) if star else 1.0
+        except ValueError:
+            raise bad(f"weight {weight!r} of term {part!r} is not a number") from None
+        if not math.isfinite(w):
+            raise bad(f"weight {weight!r} of term {part!r} is not a finite number")
+        if not _NAME.fullmatch(name):
+            try:
+                float(name)
+            except ValueError:
+                raise bad(f"{name!r} is not a reward name (a weight is joined to its name by '*')") from None
+            raise bad(f"weight {name!r} has no reward name (write it as {name}*<reward>)")
+        if ":" in name and name not in LOADED:  # "my_module:my_reward", a reward kept outside this repo
             module, _, fn = name.partition(":")
             try:
-                REWARDS[name] = getattr(importlib.import_module(module), fn)
+                loaded = getattr(importlib.import_module(module), fn)
             except (ImportError, AttributeError) as e:
-                raise ValueError(f"cannot load reward {name!r}: {e}") from None
-            RANGES.setdefault(name, (-math.inf, math.inf))
-        if name not in REWARDS:
-            raise ValueError(f"unknown reward {name!r} in {spec!r}; known: {', '.join(REWARDS)}")
-        terms.append((float(w) if w.strip() else 1.0, name))
-    if not terms:
-        raise ValueError("empty reward spec")
+                raise bad(f"cannot load reward {name!r}: {e}", grammar=False) from None
+            if not callable(loaded):
+                raise bad(f"reward {name!r} is not a function", grammar=False)
+            LOADED[name] = loaded
+        if name not in REWARDS and name not in LOADED:
+            close = difflib.get_close_matches(name, REWARDS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise bad(f"unknown reward {name!r}; {hint}known: {', '.join(REWARDS)}", grammar=False)
+        if name in (t for _, t in terms):
+            raise bad(f"reward {name!r} appears twice (write one term with the summed weight)", grammar=False)
+        terms.append((sign * w, name))
     return terms
+
+
+# Parameters whose value is one of a few words: a misspelt word would silently mean the default.
+PARAM_CHOICES = {"acc_metric": ("em", "f1", "judge"), "f1_unit": ("char", "word"), "correct": ("em", "reward"),
+                 "stage": ("exploration", "plateau")}  # fmt: skip
+
+
+def reward_keywords(fn) -> dict[str, inspect.Parameter] | None:
+    """The parameters a reward takes from train.reward_params: every named one after the record
+    (or group), except `judge` (the trainer passes it). None when it also takes `**kwargs` by a
+    real name: it uses keys it does not name, so any key may be meant for it (`**_` only
+    swallows the keys meant for other rewards)."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    if any(p.kind is p.VAR_KEYWORD and p.name != "_" for p in params):
+        return None
+    return {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "judge"}
+
+
+def check_reward(spec: str, params: dict, constraints: list = (),
+                 keys: tuple[str, str] = ("train.reward", "train.reward_params")) -> None:  # fmt: skip
+    """Check `train.reward` and `train.reward_params` before any work (train.py's main): the spec
+    parses and every name resolves (parse_spec), every key of params is a parameter of some
+    reward of the spec (a misspelt key names itself, the rewards and the keys they take), a word
+    parameter is one of its words (PARAM_CHOICES), and a number parameter is a finite number.
+    `constraints` (train.constraints mappings): each one's `param`, which the trainer fills with
+    lambda, must be taken by the reward too. Raises ConfigError naming the key.
+
+    >>> check_reward("deliberative", {"zeta": 5, "acc_metric": "em"}, [{"name": "r", "param": "lam"}])
+
+    while {"zetaa": 5} says: config key 'train.reward_params' has 'zetaa', which reward
+    'deliberative' does not take (did you mean 'zeta'?); it takes: acc_metric, lam, zeta
+    """
+    names = [name for _, name in parse_spec(spec, keys[0])]
+    if not isinstance(params, dict):
+        raise ConfigError(f"{_label(keys[1])} must be a mapping of name: value, got {params!r}")
+    taken: dict[str, tuple[inspect.Parameter, str]] = {}  # key -> (parameter, the reward that takes it)
+    for name in names:
+        keywords = reward_keywords(reward_fn(name))
+        if keywords is None:  # takes **kwargs: it may use any key
+            return
+        taken = {k: (p, name) for k, p in keywords.items()} | taken
+    rewards = ", ".join(repr(n) for n in names)
+    said = f"reward {rewards} does not take" if len(names) == 1 else f"no reward of {rewards} takes"
+    wanted = [(key, f"{_label(keys[1])} has {key!r}") for key in params]
+    wanted += [(c["param"], f"config key 'train.constraints[{i}].param' ({c.get('name', '?')}) is {c['param']!r}")
+               for i, c in enumerate(constraints) if isinstance(c, dict) and c.get("param")]  # fmt: skip
+    for key, where in wanted:
+        if key not in taken:
+            close = difflib.get_close_matches(str(key), taken, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            they = "it takes" if len(names) == 1 else "they take"
+            known = f"{they}: {', '.join(sorted(taken))}" if taken else f"{they} no parameters"
+            if key == "judge":
+                known = "the judge comes from train.judge_url / judge_model"
+            raise ConfigError(f"{where}, which {said}{hint}; {known}")
+    for key, value in params.items():
+        default, owner = taken[key][0].default, taken[key][1]
+        if key in PARAM_CHOICES and ":" not in owner and value not in PARAM_CHOICES[key]:
+            raise ConfigError(f"{_label(keys[1], key)} must be one of {', '.join(PARAM_CHOICES[key])}; "
+                              f"got {value!r}")  # fmt: skip
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{_label(keys[1], key)} must be a finite number; got {value!r}")
+        elif isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{_label(keys[1], key)} must be true or false; got {value!r}")
 
 
 def _group_by(records: list[dict]) -> dict[str, list[int]]:
@@ -419,9 +557,29 @@ def _group_by(records: list[dict]) -> dict[str, list[int]]:
     return groups
 
 
-def _finite(x) -> float:
-    x = float(x)
-    return x if math.isfinite(x) else 0.0
+def _check_finite(name: str, parts: list[dict], records: list[dict]) -> None:
+    """A non-finite (or non-numeric) reward or numeric component stops the step with a
+    TrainingFault naming the reward, how many rollouts and one group: passed on, one NaN would
+    make its group's advantages, then the loss and every weight, NaN (and 0 in its place would
+    teach the policy a reward that was never computed)."""
+    bad = []
+    for i, comp in enumerate(parts):
+        try:
+            values = [("reward", float(comp["reward"]))]
+        except (TypeError, ValueError, KeyError):
+            gid = records[i].get("group_id")
+            raise TrainingFault(f"non-numeric reward from {name!r}: {comp!r} for a rollout of group_id {gid!r} "
+                                f"(a dict with a numeric 'reward' is needed)") from None  # fmt: skip
+        values += [(k, v) for k, v in comp.items() if k != "reward" and isinstance(v, (int, float))]
+        wrong = [(k, v) for k, v in values if not math.isfinite(v)]
+        if wrong:
+            bad.append((i, *wrong[0]))
+    if bad:
+        i, key, value = bad[0]
+        what = "non-finite reward" + (f" component {key!r} of" if key != "reward" else " from") + f" {name!r}"
+        raise TrainingFault(f"{what}: {value} for {len(bad)} of {len(records)} rollouts (first: group_id "
+                            f"{records[i].get('group_id')!r}), not passed on to the advantages; check the reward "
+                            f"function or its judge")  # fmt: skip
 
 
 def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None) -> list[dict]:
@@ -429,12 +587,13 @@ def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None
 
     Returns one dict per record: {"reward": float, "components": {"<term>": ..., ...}}. A
     single-term spec reports that reward's own components; a sum reports each term's scalar.
+    A reward or numeric component that is NaN or infinite raises TrainingFault (_check_finite).
     """
     params = dict(params or {})
     terms = parse_spec(spec)
     out = [{"reward": 0.0, "components": {}} for _ in records]
     for w, name in terms:
-        fn = REWARDS[name]
+        fn = reward_fn(name)
         if getattr(fn, "group", False):
             parts = [None] * len(records)
             for idx in _group_by(records).values():
@@ -442,13 +601,15 @@ def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None
                     parts[i] = comp
         else:
             parts = [fn(r, judge=judge, **params) for r in records]
+        _check_finite(name, parts, records)
         for o, comp in zip(out, parts):
-            value = _finite(comp["reward"])
+            value = float(comp["reward"])
             o["reward"] += w * value
             if len(terms) == 1:
-                o["components"] = {k: (_finite(v) if isinstance(v, (int, float)) else v) for k, v in comp.items()}
+                o["components"] = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in comp.items()}
             else:
                 o["components"][name] = value
+    _check_finite(spec, out, records)  # a weighted sum that overflowed
     return out
 
 
@@ -499,7 +660,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         sys.exit("error: --set needs NAME=VALUE")
     try:
-        parse_spec(args.reward)
+        check_reward(args.reward, params, keys=("--reward", "--set"))
         with open(args.input) as f:
             records = []
             for n, line in enumerate(f, 1):
@@ -517,7 +678,10 @@ def main(argv: list[str] | None = None) -> None:
         judge = make_judge(
             url=args.judge_url, model=args.judge_model, hf=args.judge_hf, on_failure=args.judge_on_failure
         )
-    scores = compute(records, args.reward, params, judge)
+    try:
+        scores = compute(records, args.reward, params, judge)
+    except TrainingFault as e:  # a NaN reward: one line, as train.py says it
+        sys.exit(f"error: {e}")
     with open(args.output, "w") as f:
         for rec, s in zip(records, scores):
             f.write(json.dumps({"id": rec.get("id"), **s}) + "\n")

@@ -329,9 +329,14 @@ def world_key(cfg: Config) -> str:
         **({"confidence_after_answer": True} if cfg.rollout.confidence_after_answer else {}),  # the teachers
         "format": FORMAT_VERSION,
     }
-    r = cfg.retriever  # the teacher's observations come from this retriever
-    if (r.method, r.index, r.url, r.model) != ("bm25", "", "", ""):
-        parts["retriever"] = {"method": r.method, "index": r.index, "url": r.url, "model": r.model,
+    # The teacher's observations come from this index, searched in process or served. Where it is
+    # served (retriever.url: a host and port) is not what it returns: a server of the world's
+    # index returns what the same search does in process, so a run whose server moved to another
+    # port, or is named localhost, finds its world and resumes. "url" stays, always empty, so the
+    # keys of worlds built before keep their names.
+    r = cfg.retriever
+    if (r.method, r.index, r.model) != ("bm25", "", ""):
+        parts["retriever"] = {"method": r.method, "index": r.index, "url": "", "model": r.model,
                               "index_factory": r.index_factory}  # fmt: skip
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
