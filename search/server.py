@@ -14,16 +14,22 @@ Existing Search-R1 clients work unchanged against /retrieve. Unlike the referenc
 (DESIGN.md §7), requests are limited: body size, queries per request, characters per query
 and topk are checked, and each violation gets a 4xx naming the limit; the server stays up.
 Malformed input (bad UTF-8 or JSON, lone surrogates, JSON nested too deep, a non-bool
-return_scores) is a 4xx too, and a body not received within `body_timeout` s a 408 and a
-closed connection. Concurrent /retrieve requests are batched: one worker thread drains the
-queue and sends every waiting query to the index in one call, so the dense encoder sees one
-batch, not many; requests whose client has gone are dropped before their search and before
-their passages are read, and each request's passages are read for its own topk only. /search checks at most `max_scan`
-candidates against its operators (web.filtered_hits).
+return_scores) is a 4xx too, a body not received within `body_timeout` s a 408 and a
+closed connection, and so are request headers not received within `header_timeout` s
+(header_timeout_protocol: uvicorn itself never times them out). Concurrent /retrieve
+requests are batched: one worker task drains the queue and sends every waiting query to the
+index in one call, so the dense encoder sees one batch, not many; requests whose client has
+gone are dropped before their search and before their passages are read, and each request's
+passages are read for its own topk only. The event loop only parses and routes: searching,
+reading passages and writing the reply's JSON run in threads, the JSON one hit list at a time,
+so /health answers at once beside replies of 512 queries x 100 passages. /search checks at most
+`max_scan` candidates against its operators (web.filtered_hits).
 
 The client (`http_retrieve`) has a timeout that bounds the whole call (retries and a server
-that trickles bytes included), retries 5xx and connection errors with exponential backoff,
-never retries a 4xx (the request itself is wrong), and raises one clear error at the end.
+that trickles bytes included). It retries 5xx and connection errors until that timeout, with
+exponential backoff capped at `max_backoff` s, so a server restarting for 10 s of a 30 s timeout
+is ridden out; it never retries a 4xx (the request itself is wrong). Every failure is one
+RetrieverError with a one-line message (attempts, seconds spent, the timeout, the last cause).
 """
 
 import asyncio
@@ -40,6 +46,7 @@ from search.index import load_index, search_rows
 from search.web import read, web_search
 
 DRAIN_BYTES = 64 * 2**20
+LAST_TRY = 0.1  # s: the client's pauses end this long before its deadline, for one last attempt
 
 
 class RetrieverError(RuntimeError):
@@ -52,6 +59,8 @@ class Limits:
     max_query_chars: int = 2048
     max_topk: int = 100
     body_timeout: float = 10.0  # seconds to receive a request body; a slow client gets a 408
+    # seconds for a request's headers to arrive, from the connection's opening or its last reply
+    header_timeout: float = 10.0
     max_scan: int = 10_000  # /search: candidates checked against the operators (web.MAX_SCAN)
 
     @property
@@ -121,16 +130,25 @@ def parse_retrieve(data: dict, limits: Limits) -> tuple[list[str], int, bool]:
 def create_app(index, limits: Limits):
     """The FastAPI app over a loaded `retriever.Index`."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
 
     app = FastAPI(title="search-agent retriever")
     stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0}
-    queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request)
+    queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request, return_scores)
     worker: list[asyncio.Task] = []
 
-    def read_hits(rows: list[list[tuple[int, float]]], topk: int) -> list[list[dict]]:
-        return [[{"document": get_passage(index.corpus, row), "score": score} for row, score in hits[:topk]]
-                for hits in rows]  # fmt: skip
+    def reply_body(rows: list[list[tuple[int, float]]], topk: int, with_scores: bool) -> bytes:
+        """One request's /retrieve reply, JSON bytes: its passages read for its own topk, each
+        hit list dumped on its own. Run in a thread: returning the dict made FastAPI encode it
+        on the event loop (jsonable_encoder, 1.9 s for 512 queries x 100 passages, then 0.4 s of
+        json.dumps), and /health waited behind it; and one json.dumps of the whole reply would
+        hold the GIL as long, where one per hit list lets the loop in between."""
+        lists = []
+        for hits in rows:
+            docs = [get_passage(index.corpus, row) for row, _ in hits[:topk]]
+            items = [{"document": d, "score": score} for d, (_, score) in zip(docs, hits)] if with_scores else docs
+            lists.append(json.dumps(items, ensure_ascii=False, allow_nan=False, separators=(",", ":")))
+        return ('{"result":[' + ",".join(lists) + "]}").encode()
 
     async def gone(entry: tuple) -> bool:
         """Has this request's client disconnected? Then its future gets None and no more work."""
@@ -164,9 +182,9 @@ def create_app(index, limits: Limits):
                 for entry in batch:
                     mine, at = rows[at : at + len(entry[0])], at + len(entry[0])
                     if not await gone(entry):
-                        hits = await asyncio.to_thread(read_hits, mine, entry[1])
+                        body = await asyncio.to_thread(reply_body, mine, entry[1], entry[4])
                         if not entry[2].done():
-                            entry[2].set_result(hits)
+                            entry[2].set_result(body)
             except Exception as e:  # noqa: BLE001 - answered as a 500 to every request still waiting
                 for b in batch:
                     if not b[2].done():
@@ -210,13 +228,11 @@ def create_app(index, limits: Limits):
         if not worker:
             worker.append(asyncio.create_task(drain()))
         fut = asyncio.get_running_loop().create_future()
-        await queue.put((queries, topk, fut, request))
-        hits = await fut
-        if hits is None:  # the client disconnected before its search: nobody reads this
+        await queue.put((queries, topk, fut, request, with_scores))
+        body = await fut
+        if body is None:  # the client disconnected before its search: nobody reads this
             return JSONResponse({"error": "client disconnected"}, status_code=499)
-        if not with_scores:
-            return {"result": [[h["document"] for h in hs] for hs in hits]}
-        return {"result": hits}
+        return Response(body, media_type="application/json")
 
     @app.post("/search")
     async def web(request: Request):
@@ -242,6 +258,49 @@ def create_app(index, limits: Limits):
     return app
 
 
+def header_timeout_protocol(header_timeout: float) -> type:
+    """uvicorn's HTTP protocol (httptools or h11, whichever uvicorn would pick) that answers a
+    408 and closes a connection whose request headers have not all arrived `header_timeout` s
+    after it opened or after its last reply. uvicorn has no such bound: its keep-alive timer
+    starts after a reply and the next byte cancels it, so half a request line held a connection
+    open for good (>= 25 s in a probe; an app never sees a request before its headers end)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    message = json.dumps({"error": f"request headers not received within {header_timeout:g} s"}).encode()
+    reply = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % len(message)
+    reply += b"connection: close\r\n\r\n" + message
+
+    class HeaderTimeoutProtocol(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.header_clock = None
+            self.start_header_clock()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.start_header_clock()
+
+        def connection_lost(self, exc) -> None:
+            self.header_clock.cancel()
+            super().connection_lost(exc)
+
+        def start_header_clock(self) -> None:
+            if self.header_clock is not None:
+                self.header_clock.cancel()
+            self.header_clock = self.loop.call_later(header_timeout, self.headers_late, self.cycle)
+
+        def headers_late(self, cycle) -> None:
+            # uvicorn starts a new cycle (one request) once a request's headers are in: the same
+            # cycle as when the clock started, with no request of it still running, means none came
+            if self.transport.is_closing() or self.cycle is not cycle:
+                return
+            if cycle is None or cycle.response_complete:
+                self.transport.write(reply)
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
 def serve(args) -> None:
     """`retriever.py serve`: load the index, then run uvicorn until killed."""
     import uvicorn
@@ -253,7 +312,8 @@ def serve(args) -> None:
     print(
         f"serving {len(index.corpus)} passages ({index.meta['method']}) on http://{args.host}:{args.port}", flush=True
     )
-    uvicorn.run(create_app(index, limits), host=args.host, port=args.port, log_level="warning")
+    app, http = create_app(index, limits), header_timeout_protocol(limits.header_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=http)
 
 
 def post_by(endpoint: str, data: bytes, deadline: float) -> tuple[int, bytes]:
@@ -313,19 +373,39 @@ def search_r1_result(reply: bytes, n: int) -> list[list[dict]]:
     result = data.get("result") if isinstance(data, dict) else None
     if not isinstance(result, list) or len(result) != n:
         raise ValueError(f"no 'result' list of {n} hit lists")
-    for hits in result:
+    for hits in result:  # the rollout renders each document's contents (index.format_hits)
         if not isinstance(hits, list) or not all(isinstance(h, dict) and isinstance(h.get("document"), dict)
+                                                 and isinstance(h["document"].get("contents"), str)
                                                  for h in hits):  # fmt: skip
-            raise ValueError("a hit list is not a list of {'document': {...}, 'score': ...}")
+            raise ValueError("a hit list is not a list of {'document': {'contents': '...', ...}, 'score': ...}")
     return result
 
 
+def one_line(text: str) -> str:
+    """`text` with each run of whitespace, newlines included, as one space: errors are one line."""
+    return " ".join(text.split())
+
+
 def http_retrieve(
-    url: str, queries: list[str], k: int, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5
+    url: str,
+    queries: list[str],
+    k: int,
+    timeout: float = 30.0,
+    retries: int | None = None,
+    backoff: float = 0.5,
+    max_backoff: float = 4.0,
 ) -> list[list[dict]]:
     """POST /retrieve (Search-R1 format) -> hits per query. Empty queries are answered locally
-    with no hits (the server refuses them). `timeout` bounds the whole call, retries and
-    backoff included: each attempt gets the time left, and no backoff sleeps past it."""
+    with no hits (the server refuses them).
+
+    `timeout` bounds the whole call: each attempt gets the time left. A connection error or a
+    5xx is retried until then (retries=None) or at most `retries` times (0: one attempt), after
+    pauses of backoff, 2 backoff, 4 backoff, ... s capped at `max_backoff`, the last one cut short
+    to leave LAST_TRY s for a last attempt. The defaults try at 0, 0.5, 1.5, 3.5, 7.5, 11.5, ...
+    s: a server restarting for 10 s answers the attempt at 11.5 s. (A count of 3 retries alone
+    gave up after 3.5 s, whatever the timeout.) A 4xx is never retried (the request itself is
+    wrong), nor a 200 that is not Search-R1's format (the same server would answer the same).
+    Every failure raises RetrieverError, its message one line."""
     if not queries:
         return []
     live = [i for i, q in enumerate(queries) if q.strip()]
@@ -334,38 +414,40 @@ def http_retrieve(
         return out
     endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
     body = json.dumps({"queries": [queries[i] for i in live], "topk": k, "return_scores": True}).encode()
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, pause = start + timeout, backoff
     last, attempts = "", 0
-    for attempt in range(retries + 1):
-        if attempt:
-            pause = backoff * 2 ** (attempt - 1)
-            if time.monotonic() + pause >= deadline:
-                break
-            time.sleep(pause)
+    while True:
         attempts += 1
         try:
             status, reply = post_by(endpoint, body, deadline)
         except ValueError as e:
-            raise RetrieverError(f"retrieval server {endpoint}: {e}") from None
+            raise RetrieverError(one_line(f"retrieval server {endpoint}: {e}")) from None
         except (OSError, http.client.HTTPException) as e:  # TimeoutError and refused connections are OSErrors
             last = f"{type(e).__name__}: {e}"
-            continue
-        detail = reply[:300].decode(errors="replace")
-        if status >= 500:
+        else:
+            detail = one_line(reply[:300].decode(errors="replace"))
+            if status < 500 and status != 200:  # the request itself is wrong: a retry would be too
+                raise RetrieverError(f"retrieval server {endpoint} refused the request: HTTP {status} {detail}")
+            if status == 200:
+                try:
+                    result = search_r1_result(reply, len(live))
+                except ValueError as e:
+                    raise RetrieverError(
+                        f"retrieval server {endpoint} answered HTTP 200 but not in Search-R1's format ({e}): "
+                        f"{detail[:100]!r}"
+                    ) from None
+                for i, hits in zip(live, result):
+                    out[i] = hits
+                return out
             last = f"HTTP {status} {detail}"
-            continue
-        if status != 200:  # a 4xx: the request itself is wrong, a retry would be too
-            raise RetrieverError(f"retrieval server {endpoint} refused the request: HTTP {status} {detail}")
-        try:
-            result = search_r1_result(reply, len(live))
-        except ValueError as e:
-            raise RetrieverError(
-                f"retrieval server {endpoint} answered HTTP 200 but not in Search-R1's format ({e}): {detail[:100]!r}"
-            ) from None
-        for i, hits in zip(live, result):
-            out[i] = hits
-        return out
-    raise RetrieverError(
-        f"retrieval server {endpoint} failed after {attempts} attempt(s) in the {timeout:g} s timeout; "
-        f"last error: {last}"
-    )
+        left = deadline - time.monotonic()
+        if (retries is not None and attempts > retries) or left < LAST_TRY:
+            break
+        time.sleep(min(pause, left - LAST_TRY))
+        pause = min(2 * pause, max_backoff)
+    capped = f", retries {retries}" if retries is not None and attempts > retries else ""
+    raise RetrieverError(one_line(
+        f"retrieval server {endpoint} failed {attempts} attempt(s) in {time.monotonic() - start:.1f} s "
+        f"(timeout {timeout:g} s{capped}); last error: {last}"
+    ))  # fmt: skip

@@ -33,9 +33,12 @@ def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int]
     """`(queries, k) -> hits per query`, from config: `retriever.url` (an HTTP server speaking
     Search-R1's /retrieve), else `retriever.index` (a built index dir), else the default index
     next to the corpus, built on first use. In process, queries with advanced operators
-    (`site:tinypedia.org`, `-term`, ...) are filtered as search/web.py does."""
+    (`site:tinypedia.org`, `-term`, ...) are filtered as search/web.py does. Over HTTP, each call
+    retries a server that is down or answers 5xx until `retriever.timeout` (`retriever.retries`
+    0: never), then raises search.server.RetrieverError."""
     if rcfg.url:
-        return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=rcfg.retries)
+        retries = 0 if rcfg.retries == 0 else None  # None: until the timeout (config.py says why)
+        return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=retries)
     index = open_index(rcfg, corpus_path)  # site:, -term, ... honoured (WebFilter's operators)
     return lambda queries, k: operator_search(index, queries, k)
 

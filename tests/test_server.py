@@ -8,6 +8,7 @@ that gets the same observations over HTTP as in process.
 import contextlib
 import http.server
 import json
+import re
 import socket
 import struct
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 from conftest import free_port
 
 from search.index import build_index, load_index, search
-from search.server import Limits, RetrieverError, create_app, http_retrieve
+from search.server import Limits, RetrieverError, create_app, header_timeout_protocol, http_retrieve
 from search.tools import open_search
 from trainer.config import RetrieverConfig
 
@@ -189,14 +190,17 @@ def bm25_dir(search_world, tmp_path_factory):
 
 @contextlib.contextmanager
 def app_server(index, **limits):
-    """create_app under uvicorn in a thread on 127.0.0.1 (limits the CLI does not set); yields (url, port)."""
+    """create_app under uvicorn in a thread on 127.0.0.1, as `retriever.py serve` runs it (limits
+    the CLI does not set); yields (url, port)."""
     import uvicorn
 
     lim = Limits()
     for key, value in limits.items():
         setattr(lim, key, value)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(index, lim), host="127.0.0.1", port=port, log_level="error"))
+    config = uvicorn.Config(create_app(index, lim), host="127.0.0.1", port=port, log_level="error",
+                            http=header_timeout_protocol(lim.header_timeout))  # fmt: skip
+    srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -232,6 +236,71 @@ def test_a_body_that_does_not_arrive_gets_a_408_and_a_closed_connection(bm25_dir
         assert time.monotonic() - t < 3  # (before: no answer, ever; here the 5 s socket timeout)
         slow.close()
         assert post(url, {"queries": ["born"], "topk": 1})[0] == 200
+
+
+def test_a_connection_whose_headers_do_not_arrive_gets_a_408_and_is_closed(bm25_dir):
+    """Half a request, or nothing, on a new connection or after a reply: closed after
+    header_timeout s (before: held open for good; uvicorn has no header timeout)."""
+    with app_server(load_index(bm25_dir), header_timeout=1.0) as (url, port):
+        half = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Le")  # the headers never end
+        idle = socket.create_connection(("127.0.0.1", port), timeout=5)  # sends nothing
+        again = http.client.HTTPConnection("127.0.0.1", port, timeout=5)  # one whole request, then half of the next
+        again.request("POST", "/retrieve", b'{"queries": ["born"], "topk": 1}')
+        t = time.monotonic()
+        assert again.getresponse().read().startswith(b'{"result":')
+        again.sock.sendall(b"POST /retrieve HTTP/1.1\r\nHo")
+        for s in (half, idle, again.sock):
+            reply = b""
+            while chunk := s.recv(65536):  # the server answers, then closes (before: a TimeoutError here)
+                reply += chunk
+            s.close()
+            assert reply.startswith(b"HTTP/1.1 408") and b"request headers not received within 1 s" in reply
+        assert time.monotonic() - t < 3.5
+        assert post(url, {"queries": ["born"], "topk": 1})[0] == 200
+
+
+def test_health_answers_at_once_beside_8_requests_at_the_size_limits(bm25_dir):
+    """8 clients each ask for max_queries x max_topk passages (256 x 100 of 2,048-character
+    queries: 5.5 MB replies) while /health is polled; it answers within 0.5 s throughout (before:
+    1-2 s, as FastAPI encoded each reply on the event loop). The test ends once 3 replies have
+    come; the other clients reset their connections and their work is dropped."""
+    lim = {"max_queries": 256, "max_topk": 100, "max_query_chars": 2048}
+    query = ("born in the city of the river capital " * 60)[: lim["max_query_chars"] - 5]
+    body = json.dumps({"queries": [f"{query} {i:04d}" for i in range(lim["max_queries"])], "topk": 100}).encode()
+    done, stop = [], threading.Event()
+
+    def client(port: int) -> None:  # reads its whole reply, or resets the connection once told to stop
+        s = raw_request(port, body)
+        s.settimeout(0.1)
+        reply, size = b"", -1
+        while not stop.is_set() and len(reply) != size:
+            try:
+                chunk = s.recv(1 << 20)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            reply += chunk
+            head, _, rest = reply.partition(b"\r\n\r\n")
+            if rest and size < 0:
+                size = len(head) + 4 + int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        if len(reply) == size:
+            done.append(reply)
+        reset(s)
+
+    with app_server(load_index(bm25_dir), **lim) as (url, port), ThreadPoolExecutor(8) as pool:
+        for _ in range(8):
+            pool.submit(client, port)
+        waits, deadline = [], time.monotonic() + 60
+        while len(done) < 3 and time.monotonic() < deadline:
+            t = time.monotonic()
+            assert health(url)["status"] == "ok"
+            waits.append(time.monotonic() - t)
+            time.sleep(0.05)
+        stop.set()
+    assert len(done) >= 3 and all(r.startswith(b"HTTP/1.1 200") and len(r) > 5_000_000 for r in done)
+    assert max(waits) < 0.5, f"/health took {max(waits):.2f} s (median {sorted(waits)[len(waits) // 2]:.3f} s)"
 
 
 def test_queued_work_of_clients_that_have_gone_is_skipped(bm25_dir):
@@ -292,7 +361,7 @@ def test_each_request_reads_passages_for_its_own_topk_only(bm25_dir, monkeypatch
 def test_client_retries_then_fails_clearly_when_nothing_listens():
     url = f"http://127.0.0.1:{free_port()}"
     t = time.time()
-    with pytest.raises(RetrieverError, match=r"failed after 3 attempt\(s\) in the 1 s timeout; last error: Connection"):
+    with pytest.raises(RetrieverError, match=r"failed 3 attempt\(s\) in 0\.\d s \(timeout 1 s, retries 2\); .*Conn"):
         http_retrieve(url, ["born"], 3, timeout=1, retries=2, backoff=0.2)
     assert time.time() - t >= 0.2 + 0.4  # backoff 0.2 s, then 0.4 s
 
@@ -304,7 +373,7 @@ def test_client_times_out_on_a_server_that_never_answers():
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     t = time.time()
     # the timeout bounds the whole call: the first attempt uses it all, no retry is left
-    with pytest.raises(RetrieverError, match=r"failed after 1 attempt\(s\) in the 0.5 s timeout; .*TimeoutError"):
+    with pytest.raises(RetrieverError, match=r"failed 1 attempt\(s\) in \d\.\d s \(timeout 0.5 s\); .*TimeoutError"):
         http_retrieve(url, ["born"], 3, timeout=0.5, retries=1, backoff=0.1)
     assert 0.5 <= time.time() - t < 1.5
     sock.close()
@@ -325,9 +394,9 @@ class RawReply(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def raw_server(respond):
+def raw_server(respond, port: int = 0):
     """A stand-in server on 127.0.0.1 answering every POST with respond(handler); yields its URL."""
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RawReply)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), RawReply)
     srv.daemon_threads, srv.respond, srv.stopping = True, respond, threading.Event()
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
@@ -358,7 +427,7 @@ def test_client_timeout_bounds_the_whole_call_against_a_trickling_server(where):
 
     with raw_server(respond) as url:
         t = time.monotonic()
-        with pytest.raises(RetrieverError, match=r"in the 1 s timeout; last error: TimeoutError"):
+        with pytest.raises(RetrieverError, match=r"in 1\.\d s \(timeout 1 s\); last error: TimeoutError"):
             http_retrieve(url, ["born"], 3, timeout=1.0, retries=3, backoff=0.05)
         assert time.monotonic() - t < 2.0  # 1 s + slack, retries included (was ~10 s: the timeout was per read)
 
@@ -373,6 +442,8 @@ def test_client_timeout_bounds_the_whole_call_against_a_trickling_server(where):
         (b'{"results": []}', "no 'result' list of 1 hit lists"),
         (b'{"result": []}', "no 'result' list of 1 hit lists"),
         (b'{"result": [[{"score": 1.0}]]}', "a hit list is not a list of"),
+        (b'{"result": [[{"document": {"id": "1"}, "score": 1.0}]]}', "a hit list is not a list of"),
+        (b'{"result": [[{"document": {"id": "1", "contents": ["x"]}}]]}', "a hit list is not a list of"),
     ],
 )
 def test_client_refuses_a_200_that_is_not_search_r1s_format(reply, why):
@@ -392,6 +463,56 @@ def test_client_does_not_retry_a_refused_request(server):
         http_retrieve(server, ["born"], 0, retries=5, backoff=2.0)
     assert time.time() - t < 2.0
     assert http_retrieve(server, ["", "born"], 2)[0] == []  # empty queries answered locally, no hits
+
+
+def test_client_rides_out_a_server_restarting_for_10_s():
+    """Through the config's own path (open_search, retriever.timeout 30 s and retries 3, the
+    defaults): nothing listens on the port for 6 s, then a server there answers 503 until 10 s,
+    then hits. The client keeps trying (backoff 0.5, 1, 2, 4, 4 s) and gets them at ~11.5 s
+    (before: it gave up after 0.5 + 1 + 2 s of backoff, 'in the 30 s timeout')."""
+    hit = {"document": {"id": "p1", "contents": '"Tavi Morek"\nborn'}, "score": 1.0}
+    port, start = free_port(), time.monotonic()
+
+    def respond(h):
+        if time.monotonic() - start < 10:
+            canned(b'{"error": "index loading"}', 503)(h)
+        else:
+            canned(json.dumps({"result": [[hit]]}).encode())(h)
+
+    later = contextlib.ExitStack()
+    opener = threading.Timer(6.0, lambda: later.enter_context(raw_server(respond, port)))
+    opener.start()
+    try:
+        hits = open_search(RetrieverConfig(url=f"http://127.0.0.1:{port}"))(["born"], 3)
+    finally:
+        opener.cancel()
+        opener.join()
+        later.close()
+    assert hits == [[hit]]
+    assert 10 <= time.monotonic() - start < 16
+
+
+def test_client_gives_up_at_its_timeout_in_one_line_with_the_real_figures():
+    """A server that never comes back: the error comes at the timeout (3 s) and names the
+    attempts, the seconds spent, the timeout and the last cause, on one line. retries=0 is one
+    attempt, and a 5xx's body with newlines still makes one line."""
+    url = f"http://127.0.0.1:{free_port()}"
+    t = time.monotonic()
+    with pytest.raises(RetrieverError) as e:
+        open_search(RetrieverConfig(url=url, timeout=3.0))(["born"], 3)
+    spent = time.monotonic() - t
+    found = re.fullmatch(r"retrieval server http://127.0.0.1:\d+/retrieve failed (\d+) attempt\(s\) in (\d+\.\d) s "
+                         r"\(timeout 3 s\); last error: ConnectionRefusedError: .*", str(e.value))  # fmt: skip
+    assert found, str(e.value)
+    assert 2.5 <= spent < 4.5 and int(found[1]) >= 4 and abs(float(found[2]) - spent) < 0.3  # 0, .5, 1.5, 2.9 s
+    t = time.monotonic()
+    with raw_server(canned(b"<html>\n<h1>502 Bad Gateway</h1>\n</html>\n", 502)) as down:
+        with pytest.raises(RetrieverError) as e:
+            open_search(RetrieverConfig(url=down, timeout=3.0, retries=0))(["born"], 3)
+    assert time.monotonic() - t < 1.0
+    assert "\n" not in str(e.value)
+    assert str(e.value).endswith("failed 1 attempt(s) in 0.0 s (timeout 3 s, retries 0); "
+                                 "last error: HTTP 502 <html> <h1>502 Bad Gateway</h1> </html>")  # fmt: skip
 
 
 def test_open_search_over_http_equals_in_process(server, search_world):
