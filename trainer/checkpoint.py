@@ -15,18 +15,26 @@
         metrics.jsonl      the run's metrics up to step k (restored on resume, so the log has
                            no rows from steps that will be redone)
 
-A checkpoint is written into `step_<k>.tmp` and renamed when complete, so a crash while
-saving never leaves a half checkpoint that looks whole; only the newest `keep` are kept. A write
+A checkpoint is written into `step_<k>.tmp`, flushed to the disk (fsync), and renamed when
+complete, so a crash or a power cut while saving never leaves a half checkpoint that looks whole;
+only the newest `keep` are kept, and pruning happens only after the new one is in place. Weights
+holding a NaN or inf are never saved (TrainingFault, nothing written, nothing pruned). A write
 that fails (disk full) removes the `.tmp` and stops the run with one line naming the path.
-`python train.py --resume RUN_DIR` loads the newest one (train.py), its .pt files with
-torch.load(weights_only=True): a checkpoint that would run code as it loads is refused.
+`python train.py --resume RUN_DIR` loads the newest checkpoint that reads back whole (train.py,
+verified_checkpoint): a broken newer one (a truncated file, a missing trainer_state.pt) is passed
+over, in one line, and left in place; its .pt files are loaded with torch.load(weights_only=True):
+a checkpoint that would run code as it loads is refused. Other names under checkpoints/
+(`step_2.bak`, a copy) are not checkpoints: resume and pruning ignore them.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pickle
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -36,8 +44,8 @@ import torch
 import torch.distributed.tensor  # noqa: F401  registers DTensor with weights_only loading (FSDP2 optimizer shards)
 import yaml
 
-from trainer.config import Config, ConfigError, RunDirError, config_to_dict
-from trainer.distributed import barrier, save_full_state
+from trainer.config import Config, ConfigError, RunDirError, TrainingFault, config_to_dict
+from trainer.distributed import all_reduce, barrier, save_full_state
 from trainer.lora import merge_and_save
 from trainer.ppo import save_critic
 
@@ -106,13 +114,20 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_state: dict, keep: int = 2,
                     critic=None, rank: int = 0, world: int = 1, critic_optimizer=None) -> Path:  # fmt: skip
-    """Write step_<step> atomically (temp dir, then rename) and drop all but the newest `keep`.
+    """Write step_<step> atomically (temp dir, fsync, then rename) and drop all but the newest `keep`.
     Every process calls it: under FSDP the full weights are gathered tensor by tensor and written
     by rank 0, and each process writes its own shard of the optimizer state. A write that fails
     (disk full, read-only) removes the partial step_<step>.tmp, which would otherwise hold the disk
-    full, keeps the earlier checkpoints, and is a RunDirError naming the path and the cause."""
+    full, keeps the earlier checkpoints, and is a RunDirError naming the path and the cause.
+    Weights (policy or critic) holding a NaN or inf are a TrainingFault naming the first such
+    tensor, on every process alike, before anything is written or pruned: a resume must never
+    start from a poisoned checkpoint, nor lose the last good one to make room for it."""
     ckpt = run / "checkpoints" / f"step_{step}"
     tmp = ckpt.with_name(ckpt.name + ".tmp")
+    bad = _first_non_finite({"policy": model, "critic": critic}, world)
+    if bad is not None:
+        raise TrainingFault(f"refusing to save checkpoint {ckpt}: the {bad} holds a NaN or inf; nothing was "
+                            f"written and the earlier checkpoints are kept")  # fmt: skip
     try:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -136,17 +151,62 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
             torch.save({"step": step, "rng": rng_state(), "world": world} | trainer_state, tmp / "trainer_state.pt")
             if (run / "metrics.jsonl").exists():
                 shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
+            _fsync_tree(tmp)  # every process's files are written (barrier above): on the disk before the rename
             shutil.rmtree(ckpt, ignore_errors=True)
             tmp.rename(ckpt)  # a checkpoint directory exists only once it is complete
+            _fsync(ckpt.parent)  # and the rename itself survives a power cut
     except Exception as e:
         _save_failed(e, ckpt, tmp)
         raise  # not a failed write: a bug, with its traceback
     if rank == 0:
-        done = sorted((p for p in ckpt.parent.glob("step_*") if not p.name.endswith(".tmp")), key=_step_of)
-        for old in done[: -max(1, keep)]:
+        # Only older checkpoints go, never the one just written: a newer one can be there only when
+        # it was broken and resume passed over it, and it must not count towards `keep`.
+        older = sorted((p for p in checkpoints(run) if _step_of(p) < step), key=_step_of)
+        for old in older[: max(0, len(older) - (max(1, keep) - 1))]:
             shutil.rmtree(old)
     barrier(world)
     return ckpt
+
+
+def _first_non_finite(models: dict[str, object], world: int) -> str | None:
+    """The first parameter holding a NaN or inf, as "policy's weight model.norm.weight", over every
+    process (the same answer on each, so all raise together), or None. Under FSDP a parameter is
+    a DTensor: its local shard is checked, and the first bad index is agreed with one all_reduce
+    (the max of count - index over the processes is the smallest bad index)."""
+    named = [(f"{who}'s weight {name}", w) for who, m in models.items() if m is not None
+             for name, w in m.named_parameters()]  # fmt: skip
+    mine = next((i for i, (_, w) in enumerate(named) if not _all_finite(w)), None)
+    mark = int(all_reduce(torch.tensor([0 if mine is None else len(named) - mine]), world, "max")[0])
+    return named[len(named) - mark][0] if mark else None
+
+
+def _all_finite(weight: torch.Tensor) -> bool:
+    """Whether this process's part of a weight is free of NaN and inf, checked in chunks of 16M
+    values: isfinite's boolean copy of a whole embedding (0.5 GB for a 7B model's) stays small."""
+    local = (weight.to_local() if hasattr(weight, "to_local") else weight).detach().reshape(-1)
+    return all(bool(torch.isfinite(chunk).all()) for chunk in local.split(1 << 24))
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems (network mounts) cannot fsync a directory: nothing to flush there
+        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file under `directory`, then each directory (deepest first), so a checkpoint
+    renamed into place after this holds its data even after a power cut: without it the rename
+    can reach the disk before the files' contents, leaving a step_<k> of empty or short files."""
+    for root, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            _fsync(Path(root) / name)
+        _fsync(Path(root))
 
 
 def _save_failed(e: Exception, ckpt: Path, tmp: Path) -> None:
@@ -191,21 +251,117 @@ def load_checkpoint_file(path: Path, **kwargs) -> object:
             raise RunDirError(f"refusing to load {path}: it holds more than tensors and plain data, and loading "
                               f"it could run code ({why})") from None  # fmt: skip
         raise RunDirError(f"cannot read {path}: corrupt, or not written by torch.save ({why})") from None
-    except (OSError, RuntimeError, EOFError) as e:  # truncated / not a torch file
-        raise RunDirError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except OSError as e:
+        if e.filename:  # it could not be opened: missing, a directory, no permission
+            raise RunDirError(f"cannot read {path}: {_cause(e)}") from None
+        raise RunDirError(_corrupt(path, e)) from None
+    except (RuntimeError, EOFError) as e:
+        raise RunDirError(_corrupt(path, e)) from None
+
+
+def _corrupt(path: Path, e: Exception) -> str:
+    """The line for a .pt file torch cannot read although it opened it: a truncated copy, a crash
+    mid-write. torch's own words name no cause ('[Errno 22] Invalid argument', 'failed finding
+    central directory. This is an internal miniz error...'), so the line says what it means."""
+    why = str(e).splitlines()[0].split(". This is an internal")[0] if str(e) else type(e).__name__
+    if "mmap can only be used" in why:  # what torch says of a file that is not even a zip archive
+        why = "not a torch.save archive"
+    size = Path(path).stat().st_size if Path(path).is_file() else 0
+    return f"cannot read {path}: the file is truncated or corrupt ({size} bytes; {why})"
 
 
 def verify_checkpoint(ckpt: Path) -> None:
-    """Check every .pt file of a checkpoint before a resumed run loads a model or starts an engine,
-    so a tampered or broken checkpoint is refused at once. mmap: only the pickled structure is
-    read, not the (possibly many GB of) optimizer tensors."""
+    """Check a checkpoint before a resumed run loads a model or starts an engine, so a broken or
+    tampered one is refused at once, in one line (RunDirError naming the file and the cause):
+    every .pt file reads back (mmap: only the pickled structure is read, not the possibly many GB
+    of optimizer tensors), trainer_state.pt and each process's optimizer shard are there, and
+    every .safetensors file is as long as its header says (only the header is read)."""
+    found, state = set(), None
     for path in sorted(ckpt.rglob("*.pt")):
-        load_checkpoint_file(path, map_location="cpu", mmap=True)
+        loaded = load_checkpoint_file(path, map_location="cpu", mmap=True)
+        found.add(path.relative_to(ckpt).as_posix())
+        if path == ckpt / "trainer_state.pt":
+            state = loaded
+    if state is None:
+        raise RunDirError(f"checkpoint is incomplete: {ckpt / 'trainer_state.pt'} not found")
+    world = state.get("world", 1) if isinstance(state, dict) else 1
+    kinds = ["optimizer", "critic_optimizer"] if (ckpt / "critic").is_dir() else ["optimizer"]
+    for name in (f"{kind}.rank{r}.pt" for kind in kinds for r in range(world)):
+        if name not in found:
+            raise RunDirError(f"checkpoint is incomplete: {ckpt / name} not found (written by {world} processes)")
+    weights = sorted(ckpt.rglob("*.safetensors"))
+    if not any(path.parent == ckpt for path in weights):
+        raise RunDirError(f"checkpoint is incomplete: no model weights (*.safetensors) in {ckpt}")
+    for path in weights:
+        _check_safetensors(path)
+
+
+def _check_safetensors(path: Path) -> None:
+    """A safetensors file is an 8-byte little-endian header length, a JSON header giving each
+    tensor's [begin, end) byte offsets in the data that follows, and that data: the file must be
+    exactly 8 + header + the largest end long. A truncated copy is caught without loading a weight.
+    For example {"a": three float32}: 8 bytes holding 56, the 56-byte header
+    {"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}, then 12 bytes of data; 76 bytes in all.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            if len(head) < 8 or 8 + n > size:
+                raise RunDirError(f"cannot read {path}: the file is truncated ({size} bytes, shorter than its header)")
+            header = json.loads(f.read(n))
+        end = 8 + n + int(max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0))
+    except OSError as e:
+        raise RunDirError(f"cannot read {path}: {_cause(e)}") from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # JSON that is no safetensors header
+        raise RunDirError(f"cannot read {path}: the file is corrupt (its header is not a safetensors header)") from None
+    if end != size:
+        state = "truncated" if size < end else "corrupt"
+        raise RunDirError(f"cannot read {path}: the file is {state} ({size} bytes; its header says {end})")
+
+
+def checkpoints(run: Path) -> list[Path]:
+    """The run's checkpoint directories, step_<k> with k an integer; anything else under
+    checkpoints/ (step_3.tmp being written, a step_2.bak copy someone made) is not one."""
+    return [p for p in (run / "checkpoints").glob("step_*") if re.fullmatch(r"step_\d+", p.name) and p.is_dir()]
 
 
 def latest_checkpoint(run: Path) -> Path | None:
-    done = [p for p in (run / "checkpoints").glob("step_*") if not p.name.endswith(".tmp")]
+    """The run's newest checkpoint directory (by step), or None; not checked (verified_checkpoint is)."""
+    done = checkpoints(run)
     return max(done, key=_step_of) if done else None
+
+
+def verified_checkpoint(run: Path) -> tuple[Path | None, str | None]:
+    """The checkpoint a resumed run starts from: the newest that verify_checkpoint accepts (None
+    when the run has no checkpoint), and None or one line naming the newer ones it passed over:
+
+        checkpoint step_5 is broken (cannot read .../trainer_state.pt: the file is truncated or
+        corrupt (...)); resuming from step_4, step_5 is left in place
+
+    A broken checkpoint (a crash or a full disk during a copy, a file cut short) is left where it
+    is, not deleted: the user may want to look at it, and the resumed run replaces it when it saves
+    that step again (save_checkpoint prunes only older ones). When none is intact, a RunDirError
+    names each with its cause."""
+    broken = []
+    for ckpt in sorted(checkpoints(run), key=_step_of, reverse=True):
+        try:
+            verify_checkpoint(ckpt)
+        except RunDirError as e:
+            broken.append((ckpt.name, str(e)))
+            continue
+        if not broken:
+            return ckpt, None
+        one = len(broken) == 1
+        why = broken[0][1] if one else "; ".join(f"{name}: {e}" for name, e in broken)
+        names, verb = ", ".join(name for name, _ in broken), "is" if one else "are"
+        return ckpt, (f"checkpoint{'' if one else 's'} {names} {verb} broken ({why}); resuming from {ckpt.name}, "
+                      f"{names} {verb} left in place")  # fmt: skip
+    if broken:
+        why = "; ".join(f"{name}: {e}" for name, e in broken)
+        raise RunDirError(f"no intact checkpoint to resume in {run / 'checkpoints'} ({why})")
+    return None, None
 
 
 def load_trainer_state(ckpt: Path, run: Path, optimizer, rank: int = 0, world: int = 1) -> dict:
@@ -239,4 +395,5 @@ def check_writable(run: Path) -> None:
 
 
 def _step_of(path: Path) -> int:
-    return int(path.name.split("_")[1].removesuffix(".tmp"))
+    """5 for checkpoints/step_5 (only names that `checkpoints` lists)."""
+    return int(path.name.removeprefix("step_"))
