@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from trainer.checkpoint import (
     check_writable,
@@ -65,7 +66,7 @@ def test_a_malformed_question_line_names_the_file_and_line(tmp_path, bad, says):
 def test_a_file_that_is_not_utf8_is_one_line(tmp_path):
     f = tmp_path / "q.jsonl"
     f.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
-    with pytest.raises(DataError, match=f"^{f}: not UTF-8 text"):
+    with pytest.raises(DataError, match=rf"^{f}:2: not UTF-8 text \(byte 0xff at column 1: invalid start byte\)$"):
         load_questions(f)
 
 
@@ -199,13 +200,21 @@ def test_train_cli_turns_a_run_dir_error_in_training_into_one_line(tmp_path, mon
 
 
 class StandIn:
-    """The policy / tokenizer as save_checkpoint sees them: save_pretrained writes a file."""
+    """The policy / tokenizer as save_checkpoint sees them: save_pretrained writes a file (for the
+    weights a real safetensors file, whose length resume checks), and no parameters to check."""
 
     def __init__(self, name: str):
         self.name = name
 
+    def named_parameters(self):
+        return iter(())
+
     def save_pretrained(self, directory, safe_serialization: bool = True) -> None:
-        (Path(directory) / self.name).write_bytes(b"\0" * 4096)
+        path = Path(directory) / self.name
+        if path.suffix == ".safetensors":
+            save_file({"w": torch.zeros(1024)}, str(path))
+        else:
+            path.write_bytes(b"\0" * 4096)
 
 
 def optimizer_with_state() -> torch.optim.Optimizer:

@@ -4,31 +4,77 @@
     questions = load_questions(paths["train"])      # FlashRAG jsonl, checked line by line
     policy_dir = ensure_policy(cfg, run_dir)        # model.path, or the tiny world's SFT policy
     start = starting_policy(cfg)                    # the same directory, without building anything
+    check_prompt_lengths(questions, tokenizer, cfg.rollout, paths["train"])  # prompts fit max_model_len
 
 Used by train.py, eval.py and the benchmarks. Empty `data.*` and `model.path` mean the embedded
 tiny world (DESIGN.md §5), built once into `cache/` by `python -m tiny.sft`. This is the one
-module of the trainer that reaches into `tiny/`; the search tools are search/tools.py.
+module of the trainer that reaches into `tiny/`; the search tools are search/tools.py. A bad
+question file is a DataError naming path:line, before any model loads (the prompt lengths: once
+the tokenizer is loaded, still before any engine starts).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from agent import protocols
+from rollout import prompt_ids
 from tiny.warm_start import warm_start_dir
 from tiny.world import ensure_world_data, world_data_dir, world_dir
-from trainer.config import Config, DataError
+from trainer.config import Config, DataError, RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository, so `python -m tiny.sft` runs from any directory
 
 
-def run_module(module: str, *args: str) -> None:
-    """`python -m module args` in a child process, in this directory, the repository importable."""
+def run_module(module: str, *args: str, what: str, log: Path) -> None:
+    """`python -m module args` in a child process, in this directory, the repository importable.
+
+    Its stdout and progress bars show as they come; its stderr is also kept in `log`. A child that
+    fails is one DataError line: `what` failed, the child's own last error line, and the log. Its
+    traceback stays in the log, off the screen: stderr is shown up to the traceback's first line.
+    """
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    subprocess.run([sys.executable, "-m", module, *args], check=True, env=os.environ | {"PYTHONPATH": path})
+    log.parent.mkdir(parents=True, exist_ok=True)
+    decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+    held, showing, last = "", True, "\n"  # held: an end that may begin a traceback; last: last character shown
+    with open(log, "wb") as kept:
+        child = subprocess.Popen([sys.executable, "-m", module, *args], stderr=subprocess.PIPE,
+                                 env=os.environ | {"PYTHONPATH": path})  # fmt: skip
+        try:
+            for chunk in iter(lambda: child.stderr.read1(1 << 16), b""):
+                kept.write(chunk)
+                kept.flush()
+                if not showing:
+                    continue
+                text = held + decode(chunk)
+                cut = text.find(TRACEBACK)
+                showing = cut < 0
+                if cut < 0:  # hold back the longest end that TRACEBACK starts with, until the next chunk
+                    cut = len(text) - next((k for k in range(len(TRACEBACK) - 1, 0, -1)
+                                            if text.endswith(TRACEBACK[:k])), 0)  # fmt: skip
+                shown, held = text[:cut], text[cut:] if showing else ""
+                sys.stderr.write(shown)
+                sys.stderr.flush()
+                last = shown[-1:] or last
+            code = child.wait()
+        except BaseException:  # Ctrl-C (the child got it too) or a failed write: no child left behind
+            child.kill()
+            child.wait()
+            raise
+    sys.stderr.write(held + ("\n" if (held[-1:] or last) != "\n" else ""))  # a bar cut short: end its line
+    if code:
+        lines = log.read_bytes().decode("utf-8", "replace").replace("\r", "\n").splitlines()
+        last_error = next((x.strip() for x in reversed(lines) if x.strip()), "")
+        status = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
+        raise DataError(f"{what} failed ({status}){': ' + last_error if last_error else ''}; full log: {log}")
+
+
+TRACEBACK = "Traceback (most recent call last):"  # where a child's stderr stops being shown (run_module)
 
 
 def starting_policy(cfg: Config) -> Path:
@@ -54,10 +100,12 @@ def ensure_policy(cfg: Config, run_dir: Path) -> Path:
     if cfg.model.path:
         print(f"warm start: fine-tuning {cfg.model.path} on the tiny world's teacher into {policy.parent} "
               "(cached) ...", flush=True)  # fmt: skip
-        run_module("tiny.warm_start", "--config", str(run_dir / "config.yaml"))
+        run_module("tiny.warm_start", "--config", str(run_dir / "config.yaml"), what="the warm start of model.path",
+                   log=policy.parent / "build.log")  # fmt: skip
     else:
         print(f"building the tiny world and SFT warm start in {policy.parent} (cached) ...", flush=True)
-        run_module("tiny.sft", "--config", str(run_dir / "config.yaml"))
+        run_module("tiny.sft", "--config", str(run_dir / "config.yaml"), what="building the tiny world's SFT start",
+                   log=policy.parent / "build.log")  # fmt: skip
     return policy
 
 
@@ -80,8 +128,10 @@ def data_paths(cfg: Config) -> dict[str, Path]:
 
 
 def load_questions(path: Path) -> list[dict]:
-    """FlashRAG jsonl or Search-R1 parquet; a line that is not a JSON object, an empty question, or
-    `golden_answers` missing or not a list is an error that names the line (the row for parquet)."""
+    """FlashRAG jsonl or Search-R1 parquet; a line that is not UTF-8 or not a JSON object, an empty
+    question, `golden_answers` missing or not a list, an id missing or seen before is an error that
+    names the line (the row for parquet). Ids must be unique: they name the GRPO groups, and two
+    questions under one id would be scored as one group (advantages across unrelated questions)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file not found: {path}")
@@ -89,6 +139,7 @@ def load_questions(path: Path) -> list[dict]:
         numbered = list(enumerate(read_parquet_questions(path), 1))
     else:
         numbered = _read_jsonl_numbered(path)
+    first_line: dict[str, int] = {}  # id -> the line it was first seen on
     for n, q in numbered:
         if not str(q.get("question", "")).strip():
             raise DataError(f"{path}:{n}: empty question (id {q.get('id')!r})")
@@ -97,9 +148,76 @@ def load_questions(path: Path) -> list[dict]:
         if not isinstance(q["golden_answers"], list):  # a bare string would be scored letter by letter
             raise DataError(f"{path}:{n}: golden_answers must be a list, got {q['golden_answers']!r} "
                             f"(id {q.get('id')!r})")  # fmt: skip
+        if q.get("id") is None:
+            raise DataError(f"{path}:{n}: no id (the rollouts of a question are grouped by its id)")
+        qid = str(q["id"])  # as rollout.py's group ids see it: 7 and "7" are one id
+        if qid in first_line:
+            raise DataError(f"{path}:{n}: duplicate id {qid!r} (first at line {first_line[qid]})")
+        first_line[qid] = n
     if not numbered:
         raise DataError(f"{path}: no questions")
     return [q for _, q in numbered]
+
+
+FIRST_TURN_ROOM = 8  # rollout.py ends a rollout with fewer tokens of room than this before it generates
+
+
+def check_prompt_lengths(questions: list[dict], tokenizer, cfg: RolloutConfig, path: Path) -> None:
+    """Every question's first prompt, built as rollout.py builds it (rollout.prompt_ids: template,
+    chat template, protocol instructions), must leave the rollout room to generate: at most
+    rollout.max_model_len - FIRST_TURN_ROOM tokens. A longer one is a DataError naming path:line
+    (questions: load_questions(path), in its order); run it before any engine starts.
+
+    Unchecked, such a question is never generated for (the rollout ends it at once, finish
+    "length"), but its prompt still goes through every forward pass: a 1 MB question made a
+    reference forward over a million tokens in one micro-batch. The bound is the rollout's own, not
+    max_model_len - max_tokens_per_turn: a prompt with less room than a full turn still gets a
+    shorter first turn, as later turns do.
+
+    Cost: each question alone is tokenised in one batched call; the exact prompt only for a
+    question within SLACK tokens of the bound (text tokenised whole differs from its parts
+    tokenised apart only where they meet). 20,000 short questions take about a second; a 1 MB one,
+    a few. No character count could stand in for this: how many characters a token covers depends
+    on the tokenizer (its vocabulary and normalizer), so none bounds tokens for every tokenizer.
+    """
+    proto = protocols.get(cfg.protocol)
+    limit = cfg.max_model_len - FIRST_TURN_ROOM
+    around = len(prompt_ids(tokenizer, "", cfg, proto))  # the prompt's tokens besides the question's
+    alone = tokenizer([str(q["question"]).strip() for q in questions], add_special_tokens=False)["input_ids"]
+    near = [i for i, ids in enumerate(alone) if around + len(ids) > limit - SLACK]
+    exact = {i: len(prompt_ids(tokenizer, str(questions[i]["question"]), cfg, proto)) for i in near}
+    over = [(i, n) for i, n in exact.items() if n > limit]
+    if over:
+        (i, n), more = over[0], len(over) - 1
+        line = _question_lines(Path(path))[i]
+        raise DataError(f"{path}:{line}: question {questions[i]['id']!r} is {n} tokens as a prompt, over "
+                        f"rollout.max_model_len {cfg.max_model_len} less the {FIRST_TURN_ROOM} a first turn needs"
+                        + (f" ({more} more question{'s' * (more > 1)} in the file too)" if more else ""))  # fmt: skip
+
+
+SLACK = 64  # tokens: where the exact prompt is built (check_prompt_lengths)
+
+
+def _question_lines(path: Path) -> list[int]:
+    """The line (parquet: row) of each question load_questions(path) returns, in its order."""
+    if path.suffix == ".parquet":
+        return list(range(1, len(read_parquet_questions(path)) + 1))
+    return [n for n, _ in _jsonl_lines(path)]
+
+
+def _jsonl_lines(path: Path):
+    """(line number, text) per non-blank line, numbered as editors and `sed -n` count (on "\n"
+    alone); a line that is not UTF-8 is a DataError naming it and its column."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                column = len(raw[: e.start].decode("utf-8")) + 1
+                raise DataError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {column}: "
+                                f"{e.reason})") from None  # fmt: skip
+            if line.strip():
+                yield n, line
 
 
 def _read_jsonl_numbered(path: Path) -> list[tuple[int, dict]]:
@@ -107,20 +225,14 @@ def _read_jsonl_numbered(path: Path) -> list[tuple[int, dict]]:
     (world.read_jsonl would raise json's own error, which names neither the file nor, with blank
     lines skipped, the right line)."""
     out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{n}: not a JSON object (got {type(row).__name__})")
-                out.append((n, row))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason})") from None
+    for n, line in _jsonl_lines(path):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{n}: not a JSON object (got {type(row).__name__})")
+        out.append((n, row))
     return out
 
 
