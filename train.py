@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -66,8 +67,9 @@ from agent.answers import parsed
 from agent.judge import make_judge
 from eval import rollout_mode, summarize
 from report.metrics import batch_metrics, paper_metrics
-from rewards import BapoState, bapo_resample_groups, score
+from rewards import BapoState, bapo_resample_groups, check_reward, score
 from rollout import check_chat_template, rollout_batch
+from search.server import RetrieverError
 from search.tools import make_search_fn
 from trainer.checkpoint import (
     check_writable,
@@ -77,18 +79,18 @@ from trainer.checkpoint import (
     log,
     new_run_dir,
     save_checkpoint,
-    verify_checkpoint,
+    verified_checkpoint,
     write_samples,
 )
-from trainer.config import Config, ConfigError, DataError, RunDirError, load_config
+from trainer.config import Config, ConfigError, DataError, RunDirError, TrainingFault, load_config
 from trainer.constraints import dual_update, parse_constraints, reward_params, switch_on
 from trainer.constraints import restore as restore_constraints
 from trainer.constraints import state as constraint_state
 from trainer.constraints import step as constraints_step
-from trainer.data import data_paths, ensure_policy, load_questions
+from trainer.data import check_prompt_lengths, data_paths, ensure_policy, load_questions
 from trainer.distributed import (
+    Interrupted,
     all_reduce,
-    barrier,
     broadcast,
     full_weights,
     gather_lists,
@@ -99,6 +101,9 @@ from trainer.distributed import (
     shard,
     shard_critic,
     shard_reference,
+    stop_on_signals,
+    stopped_answering,
+    wait_for_main,
 )
 from trainer.engine import load_policy, load_tokenizer, make_engine
 from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, memory_savers, rft_select, rft_step
@@ -144,9 +149,16 @@ def score_shared(records: list[dict], spec: str, params: dict, judge, rank: int,
     groups = list(dict.fromkeys(str(r["group_id"]) for r in records))
     owner = {g: k for k in range(world) for g in my_share(groups, k, world)}
     mine = [r for r in records if owner[str(r["group_id"])] == rank]
-    score(mine, spec, params, judge)
     if world == 1:
+        score(mine, spec, params, judge)
         return
+    fault = ""
+    try:
+        score(mine, spec, params, judge)
+    except TrainingFault as e:  # every rank must hear of it, or the others would wait in the gather below
+        fault = f"rank {rank}: {e}"
+    if fault := next(iter(gather_lists([fault] if fault else [], world)), ""):
+        raise TrainingFault(fault)
     index = {id(r): i for i, r in enumerate(records)}  # every rank holds the same records, in the same order
     for i, reward, components in gather_lists([(index[id(r)], r["reward"], r["reward_components"]) for r in mine],
                                               world):  # fmt: skip
@@ -223,9 +235,12 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         times = {"generate": slowest(time.time() - t0 - retrieve, p.world),
                  "retrieve": slowest(retrieve, p.world)}  # fmt: skip
         t0 = time.time()
-        constraint_row = reward_stage(p, records)  # 2. rewards, constraint terms
-        times["reward"], t0 = time.time() - t0, time.time()
-        stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
+        try:
+            constraint_row = reward_stage(p, records)  # 2. rewards, constraint terms
+            times["reward"], t0 = time.time() - t0, time.time()
+            stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
+        except TrainingFault as e:  # a NaN reward, loss or gradient: stop before it reaches a checkpoint
+            raise TrainingFault(f"step {step + 1}: {e}. {resume_hint(run)}") from None
         times["train"], t0 = time.time() - t0, time.time()
         sync_stage(p)  # 6. the new weights into the engine(s)
         times["sync"] = slowest(time.time() - t0, p.world)
@@ -249,7 +264,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
 def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     """Processes, data, engine, policy (LoRA, FSDP), reference, critic, optimizers, rewards'
     state; then the checkpoint's state when resuming. Bad settings fail before anything slow."""
-    rank, world, device = init()
+    rank, world, device = init(cfg.train.dist_timeout)
     if world > 1 and not cfg.train.fsdp:
         raise ConfigError(f"{world} processes need train.fsdp: true (there is no replicated data-parallel mode)")
     tp = cfg.rollout.tensor_parallel_size  # ranks per engine
@@ -265,12 +280,14 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         data_paths(cfg)  # given files: fail on a bad path before building anything
     if rank == 0:  # builds the tiny world once; the other ranks wait, then find it cached
         start_dir = resume_from or ensure_policy(cfg, run)
-    barrier(world)
+    wait_for_main(world, "policy")  # rank 0 builds the world / warm start (10-20 min): no dist_timeout
     start_dir = resume_from or ensure_policy(cfg, run)
     paths = data_paths(cfg)
     train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])  # a bad line fails before any model
     tokenizer = load_tokenizer(start_dir)
     check_chat_template(tokenizer, cfg.rollout, start_dir)  # before any engine starts
+    for questions, kind in ((train_q, "train"), (val_q, "val")):  # a prompt too long for the engine: refused here
+        check_prompt_lengths(questions, tokenizer, cfg.rollout, paths[kind])
     timings: dict[str, float] = {}
     # an engine per process (per tensor-parallel group): vLLM's external_launcher joins the
     # launcher's processes; "file": each engine in a process of its own (trainer/engine.py)
@@ -454,6 +471,14 @@ def save_stage(p: RunParts, step: int) -> None:
                     p.critic, p.rank, p.world, p.critic_opt)  # fmt: skip
 
 
+def resume_hint(run: Path) -> str:
+    """Where a stopped run can go on from: its newest checkpoint, which nothing after it overwrote."""
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        return "No checkpoint was written yet"
+    return f"The last good checkpoint is {ckpt}: python train.py --resume {run}"
+
+
 def _next_batch(order: list[int], n: int, k: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """Take k question indices from a shuffled epoch order, starting a new epoch when short."""
     if len(order) < k:
@@ -505,30 +530,55 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0 if print_plan(load_config(args.config, args.set, resolve_auto=False)) else 1)
         except (ConfigError, FileNotFoundError) as e:
             parser.error(str(e))
+    run = None
+
+    def stopped(e: Interrupted) -> None:
+        """Ctrl-C, kill, a launcher stopping its processes: one line from rank 0 saying where the run
+        can go on from (a checkpoint being written stays a .tmp directory, which resume passes
+        over), and exit 128 + the signal's number (130 SIGINT, 143 SIGTERM) on every rank."""
+        if int(os.environ.get("RANK", "0")) == 0:
+            where = f" ({run}). {resume_hint(run)}" if run else ""
+            print(f"interrupted by {e}{where}", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+
+    stop_on_signals()  # SIGINT, SIGTERM: Interrupted, wherever the run is
     try:
         if args.resume:
             run = Path(args.resume)
             cfg = load_config(run / "config.yaml", args.set)
-            ckpt = latest_checkpoint(run)
+            check_reward(cfg.train.reward, cfg.train.reward_params, cfg.train.constraints)  # before any engine
+            # the newest checkpoint that reads back whole, checked before any model loads; a newer broken one
+            # is passed over in one line (and left in place), and none intact fails here in one line
+            ckpt, passed_over = verified_checkpoint(run)
             if ckpt is None:
                 raise ConfigError(f"no checkpoint to resume in {run / 'checkpoints'}")
-            verify_checkpoint(ckpt)  # a tampered or broken checkpoint fails here, before any model loads
-            check_writable(run)  # and so does a read-only run directory
+            if passed_over:
+                print(passed_over, flush=True)
+            check_writable(run)  # a read-only run directory fails here too
         else:
             cfg = load_config(args.config, args.set)
             parse_constraints(cfg.train.constraints)
+            check_reward(cfg.train.reward, cfg.train.reward_params, cfg.train.constraints)
             check_report_to(cfg)
-            rank, world, _ = init()  # several processes: rank 0 names the run directory
+            rank, world, _ = init(cfg.train.dist_timeout)  # several processes: rank 0 names the run directory
             run, ckpt = Path(broadcast(str(new_run_dir(cfg)) if rank == 0 else "", world)), None
     except (ConfigError, FileNotFoundError, RunDirError) as e:  # RunDirError: run_dir read-only, bad checkpoint
         parser.error(str(e))
+    except Interrupted as e:
+        stopped(e)
     print(f"run directory: {run}", flush=True)
     print(describe_precision(cfg), flush=True)
     t0 = time.time()
     try:
         ev = train(cfg, run, ckpt)
-    except (DataError, FileNotFoundError, ConfigError, RunDirError) as e:  # RunDirError: disk full, say
-        sys.exit(f"error: {e}")
+    except (DataError, FileNotFoundError, ConfigError, RunDirError, TrainingFault, RetrieverError) as e:
+        sys.exit(f"error: {e}")  # RunDirError: disk full; TrainingFault: a NaN, a rank that stopped answering
+    except RuntimeError as e:  # a collective inside FSDP that timed out: the rank that stopped answering
+        if (fault := stopped_answering(e)) is None:
+            raise
+        sys.exit(f"error: {fault}. {resume_hint(run)}")
+    except Interrupted as e:
+        stopped(e)
     if ev:
         print(end_of_run_summary(run, ev, (time.time() - t0) / 60))
 
