@@ -94,6 +94,20 @@ def test_every_float_must_be_finite(override):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("url", ["notaurl", "127.0.0.1:8000", "ftp://host/x", "http://"])
+def test_retriever_url_must_be_an_http_url(url):
+    """It was a 47-line CalledProcessError from the tiny world's SFT build, minutes in."""
+    with pytest.raises(ConfigError, match="'retriever.url' must be an http"):
+        load_config(None, [f"retriever.url={url}"])
+    assert load_config(None, ["retriever.url=http://localhost:8000"]).retriever.url == "http://localhost:8000"
+
+
+@pytest.mark.parametrize("override", ["train.dist_timeout=0", "train.dist_timeout=-5"])
+def test_dist_timeout_must_be_positive(override):
+    with pytest.raises(ConfigError, match="'train.dist_timeout' must be > 0"):
+        load_config(None, [override])
+
+
 @pytest.mark.parametrize(
     "override, allowed",
     [
