@@ -92,6 +92,7 @@ from trainer.distributed import (
     Interrupted,
     all_reduce,
     broadcast,
+    close,
     full_weights,
     gather_lists,
     init,
@@ -258,6 +259,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             save_stage(p, step)
     close_trackers(p.trackers)
     p.engine.close()
+    close(p.world)  # the process group: several processes exit cleanly (distributed.close says why)
     return ev
 
 

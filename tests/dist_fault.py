@@ -42,6 +42,7 @@ def main() -> None:
             time.sleep(timeout + 3)
         distributed.wait_for_main(world, "build")
         print(f"world {len(distributed.gather_lists([rank], world))}", flush=True)
+        distributed.close(world)  # as train.py does: without it gloo sometimes aborts at exit
         return
     distributed.barrier(world)
     print(f"waiting {time.time()}", flush=True)

@@ -11,7 +11,8 @@ checkpoint and never loses the last good one.
 - weights holding a NaN or inf are never saved, on every process alike, and nothing is pruned.
 
 The checkpoints are real (a 2-layer Llama with hidden size 32, its AdamW state, save_checkpoint
-itself), so each test takes a second or two; the CLI test runs train.py on the micro world.
+itself), so each test takes a second or two; tests/test_fault_injection.py runs `train.py --resume`
+past a truncated checkpoint end to end.
 """
 
 import math
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, write_micro_config
+from conftest import ROOT, free_port
 
 import trainer.config as config
 from trainer import checkpoint
@@ -237,32 +238,3 @@ def test_every_process_refuses_a_sharded_non_finite_weight_together(tmp_path):
         expected = f"rank {rank}: TrainingFault: refusing to save checkpoint {step1}: the policy's weight 0.weight "
         assert expected in out, out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-def test_resume_cli_passes_over_a_broken_checkpoint(micro, tmp_path):
-    """train.py on the micro world (transformers engine, 2 steps, a checkpoint after each), then
-    step_2's trainer_state.pt cut in half: `--resume` says so in one line, resumes from step_1,
-    redoes step 2 and writes an intact step_2 in place of the broken one."""
-    cfg_path = write_micro_config(
-        tmp_path / "c.yaml", micro[1].world.cache_dir, rollout={"engine": "hf"},
-        train={"steps": 2, "save_every": 1, "questions_per_step": 2, "group_size": 2, "threads": 1,
-               "run_dir": str(tmp_path / "runs"), "name": "r"},
-    )  # fmt: skip
-    first = subprocess.run([sys.executable, "train.py", "--config", str(cfg_path)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
-    assert first.returncode == 0, first.stderr[-3000:]
-    (run,) = (tmp_path / "runs").glob("r-*")
-    step2 = run / "checkpoints" / "step_2"
-    cut(step2 / "trainer_state.pt")
-    out = subprocess.run([sys.executable, "train.py", "--resume", str(run)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr
-    (line,) = [x for x in out.stdout.splitlines() if "is broken" in x]
-    cause = f"cannot read {step2 / 'trainer_state.pt'}: the file is truncated or corrupt"
-    assert line.startswith(f"checkpoint step_2 is broken ({cause}"), line
-    assert line.endswith("; resuming from step_1, step_2 is left in place"), line
-    assert f"resumed from {run / 'checkpoints' / 'step_1'} at step 1" in out.stdout
-    verify_checkpoint(step2)  # the redone step 2 replaced the broken checkpoint
-    assert checkpoint.load_checkpoint_file(step2 / "trainer_state.pt")["step"] == 2
-    assert names(run) == ["step_1", "step_2"]

@@ -21,6 +21,8 @@ from pathlib import Path
 from conftest import ROOT, free_port, write_micro_config
 from test_train_e2e import _close, _metric_rows
 
+from trainer.checkpoint import verify_checkpoint
+
 FAULTY_REWARD = '''
 import os
 from pathlib import Path
@@ -115,7 +117,14 @@ def test_retriever_outage_nan_reward_and_truncated_checkpoint_then_resume_matche
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
         said = out.stdout + out.stderr
         fallback = run / "checkpoints" / f"step_{stopped_at - 2}"
-        assert f"step_{stopped_at - 1}" in said and f"resumed from {fallback}" in said, said[-3000:]
+        (line,) = [x for x in said.splitlines() if "is broken" in x]
+        assert line.startswith(f"checkpoint step_{stopped_at - 1} is broken (cannot read {newest}: the file is "
+                               f"truncated"), line  # fmt: skip
+        assert line.endswith(f"; resuming from {fallback.name}, step_{stopped_at - 1} is left in place"), line
+        assert f"resumed from {fallback} at step {stopped_at - 2}" in said, said[-3000:]
+        for ckpt in (run / "checkpoints").iterdir():  # the broken one was redone in place, then pruned or kept
+            verify_checkpoint(ckpt)
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_5"]
 
         _, err = procs["whole"].communicate(timeout=600)
         assert procs["whole"].returncode == 0, err[-3000:]

@@ -190,7 +190,6 @@ def test_the_tiny_world_and_warm_start_keys_do_not_depend_on_where_the_retriever
 
 @pytest.mark.parametrize("overrides, says", [
     (["train.reward=deliberative", "train.reward_params.zetaa=5"], "did you mean 'zeta'"),
-    (["train.reward=serch_r1_em"], "did you mean 'search_r1_em'"),
 ])  # fmt: skip
 def test_train_py_refuses_a_bad_reward_before_any_engine_starts(tmp_path, overrides, says):
     """The whole path: `train.py` exits 2 with one line, before the world, a model or vLLM (it was

@@ -263,7 +263,12 @@ def wait_for_main(world: int, what: str) -> None:
 
 
 def close(world: int) -> None:
-    """Destroy the process group (a clean exit instead of a warning from NCCL/gloo)."""
+    """Destroy the process group, and drop the store client, before the process exits. Left to
+    the interpreter's shutdown, gloo's threads sometimes outlive it: measured with torch 2.13 on
+    2 CPU processes, 2 of 16 launches (at 9eafa61 too) ended in "terminate called without an active
+    exception" and SIGABRT after a clean finish; with this call, 0 of 20."""
+    global _progress
+    _progress = None
     if world > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
