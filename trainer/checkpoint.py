@@ -45,7 +45,7 @@ import torch.distributed.tensor  # noqa: F401  registers DTensor with weights_on
 import yaml
 
 from trainer.config import Config, ConfigError, RunDirError, TrainingFault, config_to_dict
-from trainer.distributed import all_reduce, barrier, save_full_state
+from trainer.distributed import all_reduce, barrier, local_finite, save_full_state
 from trainer.lora import merge_and_save
 from trainer.ppo import save_critic
 
@@ -175,16 +175,9 @@ def _first_non_finite(models: dict[str, object], world: int) -> str | None:
     (the max of count - index over the processes is the smallest bad index)."""
     named = [(f"{who}'s weight {name}", w) for who, m in models.items() if m is not None
              for name, w in m.named_parameters()]  # fmt: skip
-    mine = next((i for i, (_, w) in enumerate(named) if not _all_finite(w)), None)
+    mine = next((i for i, (_, w) in enumerate(named) if not local_finite(w)), None)
     mark = int(all_reduce(torch.tensor([0 if mine is None else len(named) - mine]), world, "max")[0])
     return named[len(named) - mark][0] if mark else None
-
-
-def _all_finite(weight: torch.Tensor) -> bool:
-    """Whether this process's part of a weight is free of NaN and inf, checked in chunks of 16M
-    values: isfinite's boolean copy of a whole embedding (0.5 GB for a 7B model's) stays small."""
-    local = (weight.to_local() if hasattr(weight, "to_local") else weight).detach().reshape(-1)
-    return all(bool(torch.isfinite(chunk).all()) for chunk in local.split(1 << 24))
 
 
 def _fsync(path: Path) -> None:

@@ -31,7 +31,7 @@ import torch
 from agent.answers import parsed
 from trainer.batching import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
 from trainer.config import Config, TrainingFault
-from trainer.distributed import accumulating, all_reduce, balanced_micro_batches, clip_grad_norm
+from trainer.distributed import accumulating, all_reduce, balanced_micro_batches, clip_grad_norm, local_finite
 
 
 def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6, std: str = "group") -> list[float]:
@@ -300,8 +300,7 @@ def ensure_finite(model, value: float, what: str) -> None:
     if math.isfinite(value):
         return
     model.zero_grad(set_to_none=True)
-    bad = next((name for name, w in model.named_parameters()
-                if not bool(torch.isfinite(w.to_local() if hasattr(w, "to_local") else w).all())), None)  # fmt: skip
+    bad = next((name for name, w in model.named_parameters() if not local_finite(w)), None)
     cause = f"the weight {bad} is already non-finite" if bad else "the weights are finite: see rewards, advantages"
     raise TrainingFault(f"non-finite {what} ({value}); {cause}; the optimizer step was skipped, weights unchanged")
 
