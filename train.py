@@ -89,7 +89,6 @@ from trainer.constraints import state as constraint_state
 from trainer.constraints import step as constraints_step
 from trainer.data import check_prompt_lengths, data_paths, ensure_policy, load_questions
 from trainer.distributed import (
-    Interrupted,
     all_reduce,
     broadcast,
     close,
@@ -102,11 +101,9 @@ from trainer.distributed import (
     shard,
     shard_critic,
     shard_reference,
-    stop_on_signals,
-    stopped_answering,
-    wait_for_main,
 )
 from trainer.engine import load_policy, load_tokenizer, make_engine
+from trainer.faults import Interrupted, stop_on_signals, stopped_answering, wait_for_main
 from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, memory_savers, rft_select, rft_step
 from trainer.lora import add_lora, load_lora, merged_weights
 from trainer.plan import print_plan

@@ -7,7 +7,7 @@ with SIGSTOP; "raw": rank 1 sleeps and rank 0 waits in a bare torch collective (
 whose error is turned into the line as train.py's main() does. Every rank prints "waiting <unix
 time>" first; rank 0 must then exit 1 within TIMEOUT seconds, saying "error: rank 1 stopped
 answering ...". MODE "slow_main": rank 0 works for TIMEOUT + 3 s, the others wait in
-distributed.wait_for_main; all print "world 2". MODE "launch": print "world <N>" after
+faults.wait_for_main; all print "world 2". MODE "launch": print "world <N>" after
 distributed.init(), or its error."""
 
 import os
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from trainer import distributed  # noqa: E402
+from trainer import distributed, faults  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     if mode == "slow_main":  # rank 0 builds something for longer than the timeout; the others wait for it
         if rank == 0:
             time.sleep(timeout + 3)
-        distributed.wait_for_main(world, "build")
+        faults.wait_for_main(world, "build")
         print(f"world {len(distributed.gather_lists([rank], world))}", flush=True)
         distributed.close(world)  # as train.py does: without it gloo sometimes aborts at exit
         return
@@ -55,7 +55,7 @@ def main() -> None:
             try:
                 dist.all_reduce(torch.ones(1))
             except RuntimeError as e:
-                raise distributed.stopped_answering(e) or e from None
+                raise faults.stopped_answering(e) or e from None
         else:
             distributed.gather_lists([rank], world)
     except TrainingFault as e:

@@ -127,7 +127,7 @@ def test_cpu_launch_of_two_processes_is_refused():
 
 def test_check_launch_refuses_unranked_launches(monkeypatch):
     from trainer.config import ConfigError
-    from trainer.distributed import check_launch
+    from trainer.faults import check_launch
 
     for name in ("WORLD_SIZE", "MASTER_ADDR", "ACCELERATE_USE_CPU", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         monkeypatch.delenv(name, raising=False)
