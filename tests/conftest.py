@@ -4,6 +4,7 @@ vLLM CPU must start before bm25s/numba is imported in this process (DESIGN.md §
 collected test uses `vllm_engine`, the engine is therefore started first, before any test runs.
 """
 
+import http.server
 import os
 import socket
 import subprocess
@@ -98,3 +99,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RawReply(http.server.BaseHTTPRequestHandler):
+    """A stand-in server's handler (test_retriever_client.py, test_judge.py): reads a POST, then
+    lets the server's `respond(handler)` write the raw reply bytes."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        try:
+            self.server.respond(self)
+        except OSError:  # the client gave up: fine
+            pass
+
+    def log_message(self, *args):
+        pass

@@ -20,7 +20,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import free_port
+from conftest import RawReply, free_port
 
 from agent.judge import JudgeError, make_judge, parse_verdict
 from rewards import compute
@@ -169,20 +169,6 @@ def test_timeouts_are_counted_failures_and_the_policy_decides(capsys):
     dead = make_judge(f"http://127.0.0.1:{free_port()}/v1", "judge", retries=1, backoff=0.01, on_failure="error")
     with pytest.raises(JudgeError, match="ConnectionRefusedError"):
         dead.verdicts(["x"])
-
-
-class RawReply(http.server.BaseHTTPRequestHandler):
-    """Reads a POST, then lets the server's `respond(handler)` write the raw reply bytes."""
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        try:
-            self.server.respond(self)
-        except OSError:  # the client gave up: fine
-            pass
-
-    def log_message(self, *args):
-        pass
 
 
 @contextlib.contextmanager

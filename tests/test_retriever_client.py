@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from conftest import free_port
+from conftest import RawReply, free_port
 
 from search.server import RetrieverError, http_retrieve
 from search.tools import open_search
@@ -40,20 +40,6 @@ def test_client_times_out_on_a_server_that_never_answers():
         http_retrieve(url, ["born"], 3, timeout=0.5, retries=1, backoff=0.1)
     assert 0.5 <= time.time() - t < 1.5
     sock.close()
-
-
-class RawReply(http.server.BaseHTTPRequestHandler):
-    """Reads a POST, then lets the server's `respond(handler)` write the raw reply bytes."""
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        try:
-            self.server.respond(self)
-        except OSError:  # the client gave up: fine
-            pass
-
-    def log_message(self, *args):
-        pass
 
 
 @contextlib.contextmanager
