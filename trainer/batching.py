@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 
@@ -68,21 +69,26 @@ def min_padding_cuts(sorted_lengths: list[int], budget: int, max_padding: float 
     real = sum(sorted_lengths)
     inf = float("inf")
 
-    def fits(i: int, j: int) -> bool:  # batch sorted_lengths[i:j], padded to its last (longest)
-        return j - i == 1 or sorted_lengths[j - 1] * (j - i) <= budget
-
-    # cost[k][j]: least positions covering the first j sequences with k batches; back[k][j]: cut
-    cost, back = [[0.0] + [inf] * n], [[0] * (n + 1)]
+    # cost[k][j]: least positions covering the first j sequences with k batches; back[k][j]: cut.
+    # A batch ending at j holds d = j - i sequences, d <= d_max[j] (it fits the budget); lengths
+    # ascend, so d_max never grows with j and the j that admit a given d are one slice. One numpy
+    # pass per d keeps this fast for an SFT epoch (7,200 sequences: seconds per epoch in Python
+    # loops, milliseconds here); d ascending with a strict < keeps the largest i among ties.
+    lengths = np.asarray(sorted_lengths, dtype=np.float64)
+    d_max = np.maximum(1, budget // np.asarray(sorted_lengths, dtype=np.int64))  # index j - 1
+    last_j = [0] + [int(np.searchsorted(-d_max, -d, side="right")) for d in range(1, n + 1)]
+    cost, back = [np.array([0.0] + [inf] * n)], [np.zeros(n + 1, dtype=np.int64)]
     while True:
         k = len(cost)
-        row, arg = [inf] * (n + 1), [0] * (n + 1)
-        for j in range(1, n + 1):
-            for i in range(j - 1, -1, -1):
-                if not fits(i, j):
-                    break  # wider batches only get wider going left
-                c = cost[k - 1][i] + sorted_lengths[j - 1] * (j - i)
-                if c < row[j]:
-                    row[j], arg[j] = c, i
+        row, arg = np.full(n + 1, inf), np.zeros(n + 1, dtype=np.int64)
+        for d in range(1, n + 1):
+            hi = min(last_j[d], n)  # j in [d, hi] admit a batch of d
+            if hi < d:
+                break
+            js = np.arange(d, hi + 1)
+            cand = cost[k - 1][js - d] + lengths[js - 1] * d
+            better = cand < row[js]
+            row[js[better]], arg[js[better]] = cand[better], js[better] - d
         cost.append(row)
         back.append(arg)
         fewest = next(m for m in range(1, k + 1) if cost[m][n] < inf) if row[n] < inf else None
@@ -90,7 +96,7 @@ def min_padding_cuts(sorted_lengths: list[int], budget: int, max_padding: float 
             break
     cuts, j = [n], n
     for m in range(k, 0, -1):
-        j = back[m][j]
+        j = int(back[m][j])
         cuts.append(j)
     return cuts[::-1]
 
