@@ -243,6 +243,7 @@ def test_save_then_resume_round_trips_with_weights_only(tmp_path):
     verify_checkpoint(ckpt)
     state = load_trainer_state(ckpt, tmp_path, fresh)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    # exact: torch.save / torch.load keep the bits
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     assert (state["step"], state["order"], state["constraints"], state["bapo"]) == (
         1, [3, 1, 2], [{"lam": 0.25}], {"stage": "plateau", "best": 0.5})  # fmt: skip

@@ -1,5 +1,8 @@
 """Lagrangian constraints (trainer/constraints.py): the dual update worked by hand, warm-up, fixed
-lambda, both directions, bad specs, and the state a checkpoint carries."""
+lambda, both directions, bad specs, and the state a checkpoint carries.
+
+lambda and the rewards are Python floats (float64) from a few exps and products: pytest.approx's
+default (rel 1e-6, abs 1e-12) is far above their rounding (~1e-16)."""
 
 import math
 
@@ -36,9 +39,10 @@ def test_paper_defaults_and_the_multiplicative_update_by_hand():
     switch_on([c], step=25, total_steps=100)
     assert current_lambda(c) == 0.01  # initialised to lambda0 when it comes on (§3.2)
     dual_update(c, 0.5)  # U = 0.5 < a = 0.9: lambda * exp(0.1 * 0.4)
-    assert c.lam == pytest.approx(0.01 * math.exp(0.04), rel=1e-12)
+    # float64, the same exp and product as the update: a few roundings (~1e-16), well inside 1e-12
+    assert c.lam == pytest.approx(0.01 * math.exp(0.04), rel=1e-12, abs=1e-15)
     dual_update(c, 1.0)  # U = 1.0 > a: shrinks by exp(-0.01)
-    assert c.lam == pytest.approx(0.01 * math.exp(0.04) * math.exp(-0.01), rel=1e-12)
+    assert c.lam == pytest.approx(0.01 * math.exp(0.04) * math.exp(-0.01), rel=1e-12, abs=1e-15)
 
 
 def test_lambda_rises_while_violated_and_falls_once_met():

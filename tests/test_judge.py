@@ -107,8 +107,9 @@ def mixed_prompts(policy, n: int = 6) -> list[str]:
             margins.append(float(logits[one] - logits[zero]))
     order = sorted(range(len(pool)), key=lambda i: margins[i])
     low, high = order[:n], order[-n:]
-    # 0.2 logits: far above the ~1e-5 by which vLLM's and transformers' numerics differ, so both
-    # engines pick the same side; a fresh CI build once topped out at 0.46 on a 300-prompt pool
+    # 0.2 logits: far above what another kernel moves a logit by (numerics.logprob_atol: ~1e-4 for
+    # this model), so both engines pick the same side; a fresh CI build once topped out at 0.46 on
+    # a 300-prompt pool
     assert margins[high[-1]] > 0.2 and margins[low[0]] < -0.2, "the micro model never clearly prefers 1 or 0"
     return [pool[i] for i in low if margins[i] < -0.2] + [pool[i] for i in high if margins[i] > 0.2]
 
@@ -261,7 +262,7 @@ def test_rewards_use_the_judge(server):
     out = compute([dict(rec)], "veritas", judge=judge)[0]
     assert out["components"]["judged"] == 1.0 and out["components"]["info_think"] in (0.0, 1.0)
     expected = 0.9 + 0.05 * out["components"]["info_think"] + 0.02
-    assert out["reward"] == pytest.approx(expected)
+    assert out["reward"] == pytest.approx(expected)  # float64, a few terms: equal up to ~1e-16
     web = compute([dict(rec)], "webfilter", judge=judge)[0]["components"]
     assert web["judged"] == 1.0 and web["z"] in (0.0, 1.0) and web["c"] in (0.0, 1.0)
 
@@ -278,4 +279,4 @@ def test_eval_metrics_judge_accuracy_over_http(server):
     records = [{"response_text": t, "golden_answers": ["C1"], "question": "Where was P1 born?"} for t in texts]
     m = compute_metrics(records, judge=judge)
     verdicts = [answer_verdict(dict(r), judge) for r in records[:2]]
-    assert m["judge_acc"] == pytest.approx(sum(verdicts) / 3) and m["acc"] == m["judge_acc"]
+    assert m["judge_acc"] == pytest.approx(sum(verdicts) / 3) and m["acc"] == m["judge_acc"]  # a float64 mean

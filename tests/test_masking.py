@@ -56,6 +56,8 @@ def trained_positions(model, record, cfg, tok):
     grpo_step(model, None, [record], opt, cfg, tok.pad_token_id)
     handle.remove()
     grad = captured["logits"].grad[0]  # (T, V); logits at t-1 predict token t
+    # exact zeros: a masked position's loss term is multiplied by a 0 mask, so its gradient is
+    # exactly 0, not merely small
     return [t for t in range(1, grad.shape[0]) if grad[t - 1].abs().sum() > 0]
 
 

@@ -4,6 +4,10 @@ The rollouts are real response texts read through the same parser as training (a
 one set is produced by rollout.py itself with a scripted engine. Expected values are computed
 in the comments from each metric's definition (report/metrics.py docstrings). ECE / Brier / AUROC are
 checked against scikit-learn on random data, EM / F1 against the official SQuAD v1.1 script.
+
+Every metric is a float64 mean or ratio of a few counts, computed in Python or numpy: equal to the
+hand-worked value up to rounding (~1e-16), so pytest.approx's default (rel 1e-6, abs 1e-12) holds
+it with room to spare. The scikit-learn comparisons state their own bound.
 """
 
 import json
@@ -351,6 +355,7 @@ def _random_sets(seed: int):
         yield p, (rng.uniform(0, 1, n) < p**1.5).astype(float)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("seed", range(6))
 def test_ece_matches_sklearn(seed):
     from sklearn.calibration import calibration_curve  # here, not at collection: vLLM starts first (DESIGN §6)
@@ -365,15 +370,20 @@ def test_ece_matches_sklearn(seed):
         counts = counts[counts > 0]
         assert counts.sum() == len(p) and len(counts) == len(prob_true)
         expected = float(np.sum(counts / len(p) * np.abs(prob_true - prob_pred)))
+        # float64 on both sides: bin means, then weighted gaps, <= 800 terms of size <= 1 summed in
+        # other orders (sum_rtol(800, EPS64) = 1.8e-13 each): within 4 x 1.8e-13 < 1e-12
         assert ece(p, y) == pytest.approx(expected, abs=1e-12)
         assert brier(p, y) == pytest.approx(brier_score_loss(y, p), abs=1e-12)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("seed", range(6))
 def test_auroc_matches_sklearn_with_ties(seed):
     from sklearn.metrics import roc_auc_score
 
     rng = np.random.default_rng(100 + seed)
+    # float64: ranks vs sklearn's trapezoids, sums of <= 800 terms of size <= 1 in other orders
+    # (sum_rtol(800, EPS64) = 1.8e-13 each side)
     for p, y in _random_sets(seed):
         assert auroc(p, y) == pytest.approx(roc_auc_score(y, p), abs=1e-12)  # c/10: many ties
     s, y = rng.integers(0, 3, 200).astype(float), rng.integers(0, 2, 200).astype(float)  # three values only

@@ -27,7 +27,7 @@ def test_non_finite_advantage_stops_the_step_and_leaves_the_weights(tmp_path, ad
     with pytest.raises(TrainingFault, match=r"non-finite (loss|gradient norm).*weights unchanged"):
         grpo_step(model, None, [record], opt, cfg, tok.pad_token_id)
     after = _weights(model)
-    assert all(torch.equal(before[k], after[k]) for k in before)  # bit for bit: no step was taken
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bit for bit: no step was taken, nothing written
     assert not opt.state  # AdamW never ran: no moments were made from NaN gradients
     assert all(p.grad is None for p in model.parameters())  # and the NaN gradients are dropped
     # the same record with a finite advantage steps as usual: the check does not block training

@@ -1,4 +1,8 @@
-"""trainer/plan.py: the per-GPU memory plan, checked against hand calculations (no model is loaded)."""
+"""trainer/plan.py: the per-GPU memory plan, checked against hand calculations (no model is loaded).
+
+The plan is float64 arithmetic on integer byte counts: pytest.approx's default (rel 1e-6, abs
+1e-12) is far above its rounding (~1e-16); an explicit abs= is a rounding of the rounded figure
+quoted next to it (7.62e9, 3.94)."""
 
 import json
 import re

@@ -329,6 +329,7 @@ def test_deliberative_final_confidence_only_scores_full_reward(bpe):
              "<think> Velor</think><confidence> 9 </confidence><answer> Velor </answer>"]  # fmt: skip
     (r,), _, _ = run(bpe, "deliberative", turns)
     out = score([r], "deliberative")[0]
+    # rewards: float64 sums of a few weighted terms, exact up to ~1e-16 (approx: rel 1e-6, abs 1e-12)
     assert out["reward_components"]["format"] == 1.0 and out["reward"] == pytest.approx(1.0)
 
 
@@ -389,7 +390,8 @@ def test_webfilter_good_trajectory_plain_prompt(bpe):
     p = parsed(r)
     assert p.format_ok and p.queries == ["Tavi Morek born site:tinypedia.org", "Velor city"]
     out = score([r], "webfilter")[0]
-    assert out["reward_components"]["src"] == 1.0 and out["reward"] == pytest.approx(0.8)  # 0.4 z + 0.4 F1
+    # float64, 0.4 z + 0.4 F1: exact up to ~1e-16 (approx: rel 1e-6, abs 1e-12)
+    assert out["reward_components"]["src"] == 1.0 and out["reward"] == pytest.approx(0.8)
 
 
 def test_webfilter_chat_template_tool_message(chat_tok):
@@ -408,7 +410,7 @@ def test_webfilter_chat_template_tool_message(chat_tok):
     # the rewards read the transcript in the protocol's tags, without the template's markup
     assert r["response"] == WF_CALL + "\n<tool_response>\n" + WF_BODY + "\n</tool_response>\n" + WF_ANSWER
     assert parsed(r).format_ok
-    assert score([r], "webfilter")[0]["reward"] == pytest.approx(0.8)
+    assert score([r], "webfilter")[0]["reward"] == pytest.approx(0.8)  # float64, a few terms: ~1e-16
 
 
 def test_search_r1_with_chat_template(chat_tok):

@@ -2,6 +2,8 @@
 
 Each table covers a correct answer, a wrong one, IDK, a missing answer and a broken format.
 The expected numbers are computed in the comments from the equations (rewards.py docstring).
+Rewards are Python floats (float64) of a few terms: pytest.approx's default (rel 1e-6, abs
+1e-12) is far above their rounding (~1e-16).
 """
 
 import json

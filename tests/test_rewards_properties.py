@@ -33,6 +33,7 @@ def check(records, params=None):
         if name == "deliberative":
             hi = 1.0 + (params or {}).get("lam", 0.0)
         for out in compute([dict(r) for r in records], name, params):
+            # 1e-9: a float64 sum of a few weighted terms may round past its range by ~1e-16
             assert math.isfinite(out["reward"]) and lo - 1e-9 <= out["reward"] <= hi + 1e-9, (name, out)
             json.dumps(out)  # components serialise
 

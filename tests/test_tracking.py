@@ -43,6 +43,8 @@ def test_tensorboard_events_hold_the_logged_scalars(tracked_run):
         for name, value in flat_scalars(row).items():
             assert name in tags, name
             logged = {e.step: e.value for e in acc.Scalars(name)}
+            # TensorBoard keeps float32: one rounding, within eps/2 = 6e-8 of the value (rel 1e-6);
+            # the floor for values near 0 that float32 flushes or rounds to its smallest steps
             assert logged[row["step"]] == pytest.approx(value, rel=1e-6, abs=1e-7), (name, row["step"])
     assert {"reward", "loss", "eval/em", "time/generate"} <= tags
 
@@ -82,6 +84,7 @@ def test_wandb_runs_offline_with_the_same_scalars(tracked_run):
     assert sorted(history) == [r["step"] for r in rows]
     for row in rows:
         for name, value in flat_scalars(row).items():
+            # as TensorBoard's: at most a float32 rounding on the way (rel 1e-6), floor 1e-7 near 0
             assert history[row["step"]][name] == pytest.approx(value, rel=1e-6, abs=1e-7), (name, row["step"])
 
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from conftest import ROOT, write_micro_config
+from numerics import assert_close, logprob_atol, model_vocab
 from test_protocols import CHAT_TEMPLATE
 
 
@@ -62,10 +63,11 @@ def test_warm_start_examples_are_rollouts_in_the_chat_template(micro, chat_llama
         assert "<information>" in tok.decode(ids[len(prompt) :]) or "<search>" not in trained
 
 
+@pytest.mark.numeric
 def test_a_random_chat_llama_warm_starts_and_trains_with_vllm_in_sync(chat_llama, tmp_path):
     """2 GRPO steps from the warm start: at each step vLLM's sampling logprobs equal the trainer's
-    on the same weights (fp32, 1e-4): at step 1 the engine loaded the warm start, at step 2 it runs
-    on the weights synced after step 1's update."""
+    on the same weights (fp32, within logprob_atol: vLLM's kernels vs torch's): at step 1 the
+    engine loaded the warm start, at step 2 it runs on the weights synced after step 1's update."""
     config = write_micro_config(
         tmp_path / "byo.yaml", tmp_path / "cache",
         model={"path": str(chat_llama)},
@@ -86,8 +88,10 @@ def test_a_random_chat_llama_warm_starts_and_trains_with_vllm_in_sync(chat_llama
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "engine_logp_gap" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    lp = logprob_atol(model_vocab(chat_llama))
     for r in steps:
-        assert r["policy_tokens"] > 0 and r["engine_logp_gap"] < 1e-4, r["engine_logp_gap"]
+        assert r["policy_tokens"] > 0
+        assert_close(r["engine_logp_gap"], 0.0, rtol=0, atol=lp, what=f"step {r['step']}: engine gap")
     assert steps[0]["grad_norm"] > 0  # the update moved the weights that step 2's engine samples from
     config_used = (run / "config.yaml").read_text()
     assert "warm_start: true" in config_used and str(chat_llama) in config_used

@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from numerics import assert_close, logprob_atol  # noqa: E402
 
 from trainer.batching import token_logprobs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
@@ -23,26 +26,29 @@ from trainer.engine import load_policy, load_tokenizer, make_engine  # noqa: E40
 
 
 def check_weight_sync(engine, policy: str | Path) -> None:
-    """The engine scores a fixed sequence as the trainer does (1e-4), no longer after an update
-    (so the check can fail), and again after load_weights; then the start weights go back."""
+    """The engine scores a fixed sequence as the trainer does (logprob_atol: vLLM's kernels vs
+    torch's on the same fp32 weights), no longer after an update (so the check can fail), and
+    again after load_weights; then the start weights go back."""
     tok = load_tokenizer(policy)
     model = load_policy(policy)
     ids = tok.encode("Answer the question. Question: Where was Ka Bo born?\n<think> I need", add_special_tokens=False)
     x = torch.tensor([ids])
     attn = torch.ones_like(x)
 
-    def gap(scores: list[float]) -> float:
-        with torch.no_grad():
-            trainer = token_logprobs(model, x, attn)[0].tolist()
-        return max(abs(a - b) for a, b in zip(scores, trainer))
+    lp = logprob_atol(model.config.vocab_size)
 
-    assert gap(engine.score(ids)) < 1e-4
+    def trainer() -> list[float]:
+        with torch.no_grad():
+            return token_logprobs(model, x, attn)[0].tolist()
+
+    assert_close(engine.score(ids), trainer(), rtol=0, atol=lp, what="engine vs trainer before the update")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     (-token_logprobs(model, x, attn).sum()).backward()
     opt.step()
-    assert gap(engine.score(ids)) > 1e-2  # before the sync: no match
+    # before the sync: no match (an AdamW step of 1e-2 on every weight moves them by far more)
+    assert max(abs(a - b) for a, b in zip(engine.score(ids), trainer())) > 10 * lp
     engine.load_weights(model.state_dict().items())
-    assert gap(engine.score(ids)) < 1e-4
+    assert_close(engine.score(ids), trainer(), rtol=0, atol=lp, what="engine vs trainer after the sync")
     engine.load_weights(load_policy(policy).state_dict().items())  # the start weights, for what follows
 
 
