@@ -296,7 +296,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         launcher=world > 1 and cfg.rollout.weight_sync == "memory",
     )  # before bm25s
     search_fn = make_search_fn(cfg, paths["corpus"], timings)
-    torch.set_num_threads(cfg.train.threads)  # vLLM drops torch to 1 thread "for serving"
+    torch.set_num_threads(cfg.train.threads)  # vLLM's GPU worker drops torch to 1 thread "for serving"
     model, ref, critic = load_models(cfg, run, start_dir, resume_from, device, world)
     trainable = [q for q in model.parameters() if q.requires_grad]  # all of them, or LoRA's adapters
     optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)

@@ -5,17 +5,21 @@ logprob bookkeeping, the engine/bm25s start-up order, and weight sync into vLLM.
 """
 
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 from conftest import ROOT
+from numerics import assert_close, logprob_atol, model_vocab
 from weight_sync_check import check_weight_sync
 
 from rollout import STOP
 from search.tools import make_search_fn
 from trainer.engine import RELOAD_LOGGER, load_policy, load_tokenizer, make_engine, quiet_rotary_reload_warning
+
+CPUS_BEFORE_VLLM = os.sched_getaffinity(0)  # at collection, before the session's vLLM engine starts
 
 
 def check_record(r, tokenizer, max_turns):
@@ -51,7 +55,8 @@ def setup(micro):
     return cfg, tok, load_questions(data_paths(cfg)["val"])[:8], search_fn, calls
 
 
-def test_vllm_rollouts_search_and_keep_bookkeeping(vllm_engine, setup):
+@pytest.mark.numeric
+def test_vllm_rollouts_search_and_keep_bookkeeping(vllm_engine, setup, micro):
     from rollout import rollout_batch
 
     cfg, tok, questions, search_fn, calls = setup
@@ -74,11 +79,16 @@ def test_vllm_rollouts_search_and_keep_bookkeeping(vllm_engine, setup):
     turns = rollout_batch(vllm_engine, tok, questions, 4, search_fn, replace(cfg.rollout, continuous=False), seed=1,
                           group_prefix="tiny:")  # fmt: skip
     assert len(calls) <= cfg.rollout.max_turns and sum(len(c) for c in calls) == searched
+    # the logprobs: the same engine and weights, but continuous decoding fills the KV cache token
+    # by token in batches of other sizes, where turn by turn prefills each turn's prompt: another
+    # batch shape for every matmul and for the log-softmax over the vocabulary
+    lp = logprob_atol(model_vocab(micro[2]))
     for a, b in zip(records, turns):
         assert (a["response_ids"], a["loss_mask"], a["finish"]) == (b["response_ids"], b["loss_mask"], b["finish"])
-        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= 1e-6
+        assert_close(b["logprobs"], a["logprobs"], rtol=0, atol=lp, what="turn-by-turn vs continuous logprobs")
 
 
+@pytest.mark.numeric
 def test_vllm_and_hf_agree_greedily(vllm_engine, setup, micro):
     from rollout import rollout_batch
 
@@ -88,15 +98,18 @@ def test_vllm_and_hf_agree_greedily(vllm_engine, setup, micro):
     b = rollout_batch(hf, tok, questions[:4], 1, search_fn, cfg.rollout, greedy=True)
     same = sum(x["response_ids"] == y["response_ids"] for x, y in zip(a, b))
     assert same >= 3  # fp32 on both sides; a near-tie argmax may rarely flip
+    lp = logprob_atol(model_vocab(micro[2]))  # vLLM's kernels vs torch's, the same fp32 weights
     for x, y in zip(a, b):
         if x["response_ids"] == y["response_ids"]:
-            assert x["logprobs"] == pytest.approx(y["logprobs"], abs=1e-4)
+            assert_close(x["logprobs"], y["logprobs"], rtol=0, atol=lp, what="vLLM vs transformers logprobs")
 
 
+@pytest.mark.numeric
 def test_weight_sync_makes_vllm_match_the_trainer(vllm_engine, micro):
     check_weight_sync(vllm_engine, micro[2])
 
 
+@pytest.mark.numeric
 def test_file_weight_sync_to_an_engine_in_its_own_process(micro):
     """rollout.weight_sync: file, the fallback: vLLM's engine in a spawned process, the weights
     through a safetensors file that its workers load (engine.WeightFileReload, which they import
@@ -123,6 +136,23 @@ def test_weight_sync_no_longer_warns_about_the_rotary_cache(vllm_engine, micro, 
     vllm_engine.load_weights(weights)
     assert "RotaryEmbedding: Failed to load weights" in unfiltered
     assert "Failed to load weights" not in caplog.text
+
+
+def test_the_trainer_keeps_its_threads_and_cpus_beside_vllm(vllm_engine):
+    """vLLM CPU's worker, in this process, swaps torch.set_num_threads for a no-op for good
+    (vllm/v1/worker/cpu_worker.py); trainer/engine.py gives the real one back, so train.threads
+    holds beside the engine as beside transformers. And vLLM binds nothing here: the process
+    keeps every CPU it started with (an in-process binding would leave the update fewer)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    other = 1 if threads > 1 else 2
+    try:
+        torch.set_num_threads(other)
+        assert torch.get_num_threads() == other
+    finally:
+        torch.set_num_threads(threads)
+    assert os.sched_getaffinity(0) == CPUS_BEFORE_VLLM
 
 
 def test_engine_refuses_to_start_after_numba(micro):

@@ -172,6 +172,15 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if separate_process:  # a forked child would inherit the trainer's process group too
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        # vLLM CPU's worker, run in this process, replaces torch.set_num_threads for good with a
+        # no-op that warns (vllm/v1/worker/cpu_worker.py:139-145), to guard the OpenMP binding it
+        # gives worker processes of its own (OMP_PLACES, KMP_AFFINITY: utils/ompmultiprocessing.py,
+        # multiproc executor only). In this process it binds nothing: the CPU affinity stays whole
+        # and torch keeps the threads set before it (train.threads); even its own "Reducing Torch
+        # threads to 1 for serving" (utils/torch_utils.py:295) hits the no-op. So the update loses
+        # no threads beside vLLM (same batch, results/speed.md, 2026-11-26), but any later
+        # set_num_threads would be dropped: the trainer gets the real one back.
+        set_num_threads = torch.set_num_threads
         from vllm import LLM
 
         logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload_warning)
@@ -199,6 +208,7 @@ class VLLMEngine:
             )
         finally:
             os.environ.update(saved)
+            torch.set_num_threads = set_num_threads
 
     def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[Completion]:
         from vllm import TokensPrompt
