@@ -177,9 +177,9 @@ class VLLMEngine:
         # gives worker processes of its own (OMP_PLACES, KMP_AFFINITY: utils/ompmultiprocessing.py,
         # multiproc executor only). In this process it binds nothing: the CPU affinity stays whole
         # and torch keeps the threads set before it (train.threads); even its own "Reducing Torch
-        # threads to 1 for serving" (utils/torch_utils.py:295) hits the no-op. So the update loses
-        # no threads beside vLLM (same batch, results/speed.md, 2026-11-26), but any later
-        # set_num_threads would be dropped: the trainer gets the real one back.
+        # threads to 1 for serving" (utils/torch_utils.py:300) hits the no-op. So the update keeps
+        # its threads beside vLLM, but any later set_num_threads (train.py's train.threads) would
+        # be dropped: the trainer gets the real one back.
         set_num_threads = torch.set_num_threads
         from vllm import LLM
 
