@@ -30,6 +30,7 @@ from trainer import distributed  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.engine import load_policy  # noqa: E402
 from trainer.grpo import grpo_step, memory_savers  # noqa: E402
+from trainer.ppo import critic_optimizer, critic_step, critic_values, load_critic  # noqa: E402
 
 
 def save_grads(model, path: Path, rank: int) -> None:
@@ -69,6 +70,24 @@ def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int,
     return stats
 
 
+def run_critic_case(case: dict, spec: dict, records: list[dict], rank: int, world: int) -> dict:
+    """PPO's critic sharded under the case's flags (bf16, cpu_offload): the values of the batch,
+    then one clipped value-loss step toward targets 1 above them (any targets: the step must run)."""
+    cfg = load_config(None, case["overrides"])
+    critic = load_critic(spec["model"])
+    if world > 1:
+        critic = distributed.shard_critic(critic, cfg)
+    optimizer = critic_optimizer(critic, cfg.train.critic_lr)
+    values = critic_values(critic, records, cfg.train.micro_batch_tokens, spec["pad_id"])
+    targets = [v + 1.0 for v in values]
+    stats = critic_step(critic, optimizer, records, values, targets, cfg.train.value_clip, cfg.train.micro_batch_tokens,
+                        spec["pad_id"], cfg.train.grad_clip, rank=rank, world=world)  # fmt: skip
+    stats |= {"world": world, "sharded": world > 1, "value_dtype": str(values[0].dtype)}
+    if distributed.is_main(rank):
+        (Path(spec["out"]) / f"{case['name']}.json").write_text(json.dumps(stats))
+    return stats
+
+
 def main(spec_path: str) -> None:
     rank, world, _ = distributed.init()
     spec = json.loads(Path(spec_path).read_text())
@@ -76,7 +95,10 @@ def main(spec_path: str) -> None:
     for n, case in enumerate(spec["cases"]):
         if case.get("sharded_only") and world == 1:
             continue
-        stats = run_case(case, spec, records, rank, world, first=n == 0)
+        if case.get("critic"):
+            stats = run_critic_case(case, spec, records, rank, world)
+        else:
+            stats = run_case(case, spec, records, rank, world, first=n == 0)
         if distributed.is_main(rank):
             print(f"{case['name']} world={world}: {json.dumps(stats)}", flush=True)
     distributed.close(world)

@@ -58,6 +58,10 @@ CASES = [
         "train.bf16=true", "train.kl_coef=0.05", "train.mini_batches=2"]},
     {"name": "cpu_offload", "sharded_only": True, "overrides": BASE + [
         "train.cpu_offload=true", "train.kl_coef=0.05", "train.grad_checkpointing=true"]},
+    # PPO's critic under the paper configs' flags: bf16 policy and cpu_offload (issue 33, item 5:
+    # "mat1 and mat2 must have the same dtype" at the value head)
+    {"name": "critic_bf16_offload", "sharded_only": True, "critic": True, "overrides": BASE + [
+        "train.algo=ppo", "train.bf16=true", "train.cpu_offload=true", "train.grad_checkpointing=true"]},
 ]  # fmt: skip
 PARITY = [c["name"] for c in CASES if not c.get("sharded_only")]
 N_RECORDS = 12
@@ -287,6 +291,16 @@ def test_sharded_step_runs(runs, case):
     _, fsdp, _ = runs
     stats = json.loads((fsdp / f"{case}.json").read_text())
     assert stats["sharded"] and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
+
+
+def test_sharded_critic_runs_under_bf16_and_offload(runs):
+    """The value head stays float32 in a unit of its own (distributed.shard_critic) while the
+    backbone computes in bf16, and the critic's inputs go to the compute device, not to its
+    offloaded parameters' (ppo.critic_values / critic_step)."""
+    _, fsdp, _ = runs
+    stats = json.loads((fsdp / "critic_bf16_offload.json").read_text())
+    assert stats["sharded"] and stats["value_dtype"] == "torch.float32"
+    assert math.isfinite(stats["value_loss"]) and stats["critic_grad_norm"] > 0
 
 
 def launch_two() -> list[str]:

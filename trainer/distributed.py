@@ -63,7 +63,10 @@ def init(timeout: float = 600.0) -> tuple[int, int, torch.device]:
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None,
+        # GPUs: NCCL for CUDA tensors and gloo for CPU ones. With cpu_offload the sharded
+        # gradients live on the host, and clip_grad_norm_'s all-reduce of their norms needs a CPU
+        # backend (NCCL alone: "No backend type associated with device type cpu"); verl does the same
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", device_id=device if use_cuda else None,
                                 timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
         faults.watch(rank, timeout)
     return rank, world, device
@@ -178,15 +181,31 @@ def shard(model, cfg: Config, reshard_after_forward: bool = True):
 
 def shard_critic(critic, cfg: Config):
     """PPO's critic (ppo.Critic: backbone + value head), sharded like the policy: each backbone
-    layer its own unit, the head in the root. Build its optimizer afterwards."""
-    return _shard_layers(critic, _fsdp_kwargs(cfg, reshard_after_forward=True))
+    layer its own unit, then the head, then the root. Build its optimizer afterwards.
+
+    The head is a unit of its own that computes in float32 whatever train.bf16 says (values are
+    regression targets): in the root, the bf16 policy would cast it to bf16 while Critic.forward
+    feeds it float32 hidden states ("mat1 and mat2 must have the same dtype")."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = _fsdp_kwargs(cfg, reshard_after_forward=True)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=kwargs["mp_policy"].reduce_dtype)
+    fully_shard(critic.head, **(kwargs | {"mp_policy": fp32}))
+    return _shard_layers(critic, kwargs)
+
+
+def compute_device(model) -> torch.device:
+    """Where the forward runs: this process's GPU, even when FSDP offloads parameters to the host."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return next(model.parameters()).device
 
 
 def all_reduce(x: torch.Tensor, world: int, op: str = "sum") -> torch.Tensor:
     """Sum or max of a small CPU tensor over the processes (a copy; x itself is unchanged)."""
     if world == 1:
         return x
-    y = x.clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    y = x.clone()  # on the CPU: gloo carries it, under init's "cpu:gloo,cuda:nccl" as well
     faults.collective(dist.all_reduce, y, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return y.cpu()
 

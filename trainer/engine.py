@@ -268,6 +268,9 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors) -> None:
         if self.asleep:  # the weights first: the KV cache is not needed to load them
+            # the update's freed blocks go back to the driver first, or vLLM's own allocator cannot
+            # map its pool again beside torch's cache (TRL and verl empty it before each wake)
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         if self.separate_process:
             self._load_weights_through_file(named_tensors)
@@ -281,6 +284,7 @@ class VLLMEngine:
 
             self.llm.collective_rpc(reload)
         if self.asleep:
+            torch.cuda.empty_cache()  # the gathered full tensors of the sync, before the KV cache returns
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights

@@ -31,7 +31,14 @@ import torch
 from agent.answers import parsed
 from trainer.batching import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
 from trainer.config import Config, TrainingFault
-from trainer.distributed import accumulating, all_reduce, balanced_micro_batches, clip_grad_norm, local_finite
+from trainer.distributed import (
+    accumulating,
+    all_reduce,
+    balanced_micro_batches,
+    clip_grad_norm,
+    compute_device,
+    local_finite,
+)
 
 
 def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6, std: str = "group") -> list[float]:
@@ -160,20 +167,13 @@ def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[d
 def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int, bf16: bool = False) -> list:
     """log pi(token t | tokens < t) of every position of every sequence, no gradient: the
     reference model's logprobs, or pi_old recomputed by the trainer before the first update."""
-    device = _compute_device(model)
+    device = compute_device(model)
 
     def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         with _autocast(bf16):
             return token_logprobs(model, ids.to(device), attn.to(device))
 
     return per_position(logprobs, [s["ids"] for s in seqs], micro_batch_tokens, pad_id)
-
-
-def _compute_device(model) -> torch.device:
-    """Where the forward runs: this process's GPU, even when FSDP offloads parameters to the host."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return next(model.parameters()).device
 
 
 def _autocast(bf16: bool):
@@ -240,7 +240,7 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
     share of the mini-batch's micro-batches, padded with zero-weight repeats so every process runs
     the same number of forward passes (FSDP's collectives must line up)."""
     tcfg = cfg.train
-    device = _compute_device(model)
+    device = compute_device(model)
     counts = [float(seqs[i]["loss_mask"].sum()) for i in mini]
     n_tokens = sum(counts)  # the token-mean denominator of the whole mini-batch
     norm = tcfg.loss_norm_tokens or cfg.rollout.max_model_len

@@ -50,7 +50,14 @@ from torch import nn
 
 from trainer.batching import pad_batch, pad_rows, per_position, policy_positions
 from trainer.config import Config
-from trainer.distributed import accumulating, all_reduce, balanced_micro_batches, clip_grad_norm, full_weights
+from trainer.distributed import (
+    accumulating,
+    all_reduce,
+    balanced_micro_batches,
+    clip_grad_norm,
+    compute_device,
+    full_weights,
+)
 from trainer.grpo import ensure_finite, grpo_step, kl_per_position
 
 HEAD_FILE = "value_head.safetensors"
@@ -246,7 +253,7 @@ def critic_values(critic: Critic, records: list[dict], micro_batch_tokens: int, 
     """V for every position of every record (float32, length len(ids) - 1), no gradient."""
     critic.eval()
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
-    device = next(critic.parameters()).device
+    device = compute_device(critic)  # the GPU, also when FSDP offloads the critic to the host
     return per_position(lambda ids, attn: critic(ids.to(device), attn.to(device)), seqs, micro_batch_tokens, pad_id)
 
 
@@ -279,7 +286,7 @@ def critic_step(
     n_tokens = max(1, sum(sum(m) for m in masks))
     lengths = [len(s) for s in seqs]
     runs = balanced_micro_batches(list(range(len(records))), lengths, micro_batch_tokens, rank, world, exact)
-    device = next(critic.parameters()).device
+    device = compute_device(critic)  # the GPU, also when FSDP offloads the critic to the host
     critic.train()
     optimizer.zero_grad(set_to_none=True)
     totals = torch.zeros(3, dtype=torch.float64)  # value_loss, value_clip_frac, value_mean
