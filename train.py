@@ -169,6 +169,18 @@ def slowest(seconds: float, world: int) -> float:
     return float(all_reduce(torch.tensor([seconds], dtype=torch.float64), world, "max"))
 
 
+def stage_peak_gib(world: int) -> float:
+    """On a GPU: the most memory torch's allocator held since the last call, in GiB, the largest
+    over the processes; then the count restarts, so each call measures one stage. It counts the
+    trainer's tensors and, in the same process, vLLM's weights and KV cache (RunParts.engine_gib
+    is their share at start). 0.0 on a CPU."""
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return float(all_reduce(torch.tensor([peak], dtype=torch.float64), world, "max"))
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -200,6 +212,7 @@ class RunParts:
     order: list[int] = field(default_factory=list)
     step0: int = 0
     trackers: list = field(default_factory=list)
+    engine_gib: float = 0.0  # GPU memory torch counted for the engine when it started (vLLM's weights, KV cache)
 
     @property
     def main(self) -> bool:
@@ -227,11 +240,12 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             group["lr"] = lr_at(step, cfg)
         switch_on(p.constraints, step, cfg.train.steps)
         batch_idx, p.order = _next_batch(p.order, len(p.train_q), cfg.train.questions_per_step, p.rng)
-        t0 = time.time()
+        t0, gpu = time.time(), {"engine": p.engine_gib, "before": stage_peak_gib(p.world)}  # setup or eval, save
         records, resampled = rollout_stage(p, [p.train_q[i] for i in batch_idx], step)  # 1. roll out
         retrieve = p.timings.get("retrieve", 0.0)
         times = {"generate": slowest(time.time() - t0 - retrieve, p.world),
                  "retrieve": slowest(retrieve, p.world)}  # fmt: skip
+        gpu["generate"] = stage_peak_gib(p.world)
         t0 = time.time()
         try:
             constraint_row = reward_stage(p, records)  # 2. rewards, constraint terms
@@ -240,9 +254,13 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         except TrainingFault as e:  # a NaN reward, loss or gradient: stop before it reaches a checkpoint
             raise TrainingFault(f"step {step + 1}: {e}. {resume_hint(run)}") from None
         times["train"], t0 = time.time() - t0, time.time()
+        gpu["train"] = stage_peak_gib(p.world)  # rewards and the update
         sync_stage(p)  # 6. the new weights into the engine(s)
         times["sync"] = slowest(time.time() - t0, p.world)
+        gpu["sync"] = stage_peak_gib(p.world)
         row = step_row(p, step, records, stats, constraint_row, times, resampled) if p.main else {}
+        if torch.cuda.is_available() and p.main:
+            row["gpu_peak_gib"] = gpu
         if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
             ev = run_eval(p)  # every rank: each evaluates its share, all update the same state
             after_eval(p, ev)
@@ -288,6 +306,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     for questions, kind in ((train_q, "train"), (val_q, "val")):  # a prompt too long for the engine: refused here
         check_prompt_lengths(questions, tokenizer, cfg.rollout, paths[kind])
     timings: dict[str, float] = {}
+    before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     # an engine per process (per tensor-parallel group): vLLM's external_launcher joins the
     # launcher's processes; "file": each engine in a process of its own (trainer/engine.py)
     engine = make_engine(
@@ -295,6 +314,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         separate_process=world > 1 and cfg.rollout.weight_sync == "file",
         launcher=world > 1 and cfg.rollout.weight_sync == "memory",
     )  # before bm25s
+    engine_gib = (torch.cuda.memory_allocated() - before) / 2**30 if torch.cuda.is_available() else 0.0
     search_fn = make_search_fn(cfg, paths["corpus"], timings)
     torch.set_num_threads(cfg.train.threads)  # vLLM's GPU worker drops torch to 1 thread "for serving"
     model, ref, critic = load_models(cfg, run, start_dir, resume_from, device, world)
@@ -313,6 +333,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         train_q,
         val_q[: cfg.eval.max_questions] if cfg.eval.max_questions else val_q,
         random.Random(cfg.train.seed),  # the question order
+        engine_gib=engine_gib,
     )  # fmt: skip
     if resume_from is not None:
         state = load_trainer_state(resume_from, run, optimizer, rank, world)
