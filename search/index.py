@@ -68,9 +68,20 @@ def bm25_tokenize(texts: list[str]) -> list[list[str]]:
     return [_STEMMER.stemWords(ws) for ws in words]
 
 
+def import_bm25s():
+    """bm25s, imported with JAX kept on the CPU. bm25s runs a JAX op when it is imported if JAX is
+    installed, and JAX on a GPU machine then takes 75% of the GPU's memory for itself (its
+    default preallocation), beside vLLM and the trainer: seen on an H200 (110 of 140 GiB in use
+    by a run whose tensors peaked at 4 GiB). A JAX the user set up (JAX_PLATFORMS) is left alone."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+
+    return bm25s
+
+
 def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000):
     """Index the corpus with bm25s; token ids are kept as compact int32 arrays while building."""
-    import bm25s
+    bm25s = import_bm25s()
 
     vocab: dict[str, int] = {}
     ids: list[np.ndarray] = []
@@ -365,7 +376,7 @@ def load_index(
     check_corpus(corpus, meta, index_dir)
     index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1))
     if meta["method"] in ("bm25", "hybrid"):
-        import bm25s
+        bm25s = import_bm25s()
 
         backend = "numba" if bm25_backend == "numba" else "numpy"
         index.bm25 = bm25s.BM25.load(

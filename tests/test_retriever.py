@@ -277,3 +277,16 @@ def test_an_id_hash_collision_is_not_a_duplicate(tmp_path, monkeypatch):
     path.write_text("".join(json.dumps({"id": f"d{i}", "contents": "x"}) + "\n" for i in range(50)))
     monkeypatch.setattr(corpus, "hash", lambda _: 0, raising=False)  # every id collides
     assert len(scan_corpus(path)) == 50
+
+
+def test_bm25s_is_imported_with_jax_kept_on_the_cpu():
+    """bm25s runs a JAX op when imported, and JAX on a GPU machine takes 75% of the GPU's memory
+    (seen on the lent H200: 105 GiB after `import bm25s`, 0.5 GiB through import_bm25s). JAX is not
+    installed here, so this checks the setting itself, in a fresh process: set when unset, a user's
+    own choice kept."""
+    code = "import os; from search.index import import_bm25s; import_bm25s(); print(os.environ['JAX_PLATFORMS'])"
+    for env, expected in (({}, "cpu"), ({"JAX_PLATFORMS": "cuda"}, "cuda")):
+        base = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+        out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=base | env,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        assert out.stdout.strip() == expected

@@ -175,3 +175,24 @@ def test_sleep_mode_is_refused_on_cpu_with_a_clear_error(micro):
     _, cfg, policy, _ = micro
     with pytest.raises(ConfigError, match="rollout.sleep_mode"):
         make_engine("vllm", policy, replace(cfg.rollout, sleep_mode=True))
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(micro, tmp_path):
+    """SmolLM2's GGUF converted under transformers 5.17 names no pad token (seen on the lent H200:
+    the transformers engine failed with "Could not infer dtype of NoneType", then the update in
+    pad_batch). A tiny random Llama with the micro world's vocabulary and no pad token: load_tokenizer
+    gives it EOS, and the transformers engine generates a padded batch."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    _, cfg, policy, _ = micro
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(policy / "tokenizer.json"), eos_token="<|endoftext|>")
+    fast.save_pretrained(tmp_path)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(fast), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path)  # fmt: skip
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token_id is None  # the case: transformers gives none
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
+    engine = make_engine("hf", tmp_path, cfg.rollout)
+    prompts = [tokenizer("Question: who?")["input_ids"], tokenizer("Q")["input_ids"]]  # two lengths: padding
+    outs = engine.generate(prompts, max_tokens=[4, 4], temperature=1.0, top_p=1.0, stop=STOP, seeds=[0, 1])
+    assert all(1 <= len(o.token_ids) <= 4 and len(o.logprobs) == len(o.token_ids) for o in outs)

@@ -78,7 +78,10 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:  # batches are padded (and the padding masked out): EOS serves
+        tokenizer.pad_token = tokenizer.eos_token  # (SmolLM2's GGUF under transformers 5.17 names no pad)
+    return tokenizer
 
 
 def load_policy(path: str | Path, dtype: str = "float32"):
