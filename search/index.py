@@ -351,8 +351,16 @@ def load_index(
     device: str = "",
     threads: int = -1,
     bm25_backend: str = "scipy",
+    faiss_on_gpus: bool = False,
 ) -> Index:
     """Open a built index (BM25 arrays and faiss index mmap'd), after checking its corpus.
+
+    The dense query encoder runs on `device` (the GPU if there is one). The faiss index itself
+    stays on the host (mmap'd: the page cache holds one copy per machine, whatever the number of
+    processes that open it) unless `faiss_on_gpus`, which shards it over every GPU the process
+    sees: what the retrieval server does (`retriever.py serve`, one process per machine). The
+    trainer never asks for it: each of 8 training processes would shard its own copy over all 8
+    GPUs beside vLLM (issue 33, item 3; no GPU here to show it, search/tools.open_index passes False).
 
     BM25 scoring (same scores, different speed): "scipy" (default) multiplies a sparse query
     matrix with bm25s's score arrays, no copy, 1.75x bm25s's own "numpy" scorer end to end; "numba"
@@ -397,7 +405,7 @@ def load_index(
         index.faiss = faiss.read_index(str(index_dir / "faiss.index"), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
         if search_params:  # e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
             faiss.ParameterSpace().set_index_parameters(index.faiss, search_params)
-        if device.startswith("cuda"):
+        if faiss_on_gpus and device.startswith("cuda"):
             index.faiss = to_gpus(index.faiss)
         index.encoder = load_encoder(meta["dense"]["model"], meta["dense"]["family"], device)
     return index

@@ -305,7 +305,8 @@ def serve(args) -> None:
     """`retriever.py serve`: load the index, then run uvicorn until killed."""
     import uvicorn
 
-    index = load_index(args.index, args.corpus, args.search_params, bm25_backend=args.bm25_backend)
+    index = load_index(args.index, args.corpus, args.search_params, bm25_backend=args.bm25_backend,
+                       faiss_on_gpus=True)  # one server per machine: the dense index over its GPUs
     limits = Limits(args.max_queries, args.max_query_chars, args.max_topk)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the server is reachable beyond this machine", flush=True)

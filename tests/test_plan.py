@@ -178,3 +178,14 @@ def test_a_broken_config_json_names_the_file(tmp_path, text, says):
     with pytest.raises(ConfigError, match=re.escape(says)) as e:
         load_arch(load_config(None, [f"model.path={tmp_path}"]).model)
     assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_one_gpu_keeps_everything_on_the_gpu_whatever_cpu_offload_says(tmp_path):
+    """One GPU is one process, which train.py runs without FSDP: cpu_offload moves nothing there
+    (issue 33, item 9: the plan put the 3B state in host RAM and said it fits on one GPU)."""
+    one = memory_plan(qwen7b(tmp_path, "hardware.gpus=1", "train.cpu_offload=true"))
+    assert one["host"]["policy_weights"] == one["host"]["policy_optimizer"] == 0.0
+    assert one["gpu"]["policy_optimizer"] > 0
+    eight = memory_plan(qwen7b(tmp_path, "train.cpu_offload=true"))
+    assert eight["gpu"]["policy_optimizer"] == 0.0 and eight["host"]["policy_optimizer"] > 0
+    assert not one["train_fits"]  # 7B's fp32 state alone is over 80 GB

@@ -196,3 +196,14 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(micro, tmp_path):
     prompts = [tokenizer("Question: who?")["input_ids"], tokenizer("Q")["input_ids"]]  # two lengths: padding
     outs = engine.generate(prompts, max_tokens=[4, 4], temperature=1.0, top_p=1.0, stop=STOP, seeds=[0, 1])
     assert all(1 <= len(o.token_ids) <= 4 and len(o.logprobs) == len(o.token_ids) for o in outs)
+
+
+def test_a_spawned_engine_gets_its_own_processs_gpu():
+    """rollout.weight_sync: file spawns vLLM's engine core; CUDA_VISIBLE_DEVICES for it names the
+    training process's own GPU (issue 33, item 8: before, 8 engines landed on GPU 0). A mock of
+    nothing: the choice is a function of LOCAL_RANK and the launcher's CUDA_VISIBLE_DEVICES, which
+    VLLMEngine sets around the spawn only where CUDA is there (no GPU here to land on)."""
+    from trainer.engine import engine_gpu
+
+    assert [engine_gpu(r, None, 8) for r in range(8)] == [str(r) for r in range(8)]
+    assert [engine_gpu(r, "6, 7", 2) for r in range(2)] == ["6", "7"]  # a launcher's subset, spaces

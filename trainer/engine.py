@@ -99,6 +99,19 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP")  # fmt: skip
 
 
+def engine_gpu(local_rank: int, visible: str | None, count: int) -> str:
+    """The CUDA_VISIBLE_DEVICES of the engine a training process spawns (rollout.weight_sync: file):
+    that process's own GPU, LOCAL_RANK's entry of the launcher's CUDA_VISIBLE_DEVICES (or of all
+    `count` GPUs). Without it every spawned engine sees all the GPUs and takes the first: 8 engines
+    on GPU 0. Checked here as a function; on a CPU machine there is no GPU to land on.
+
+    >>> engine_gpu(2, None, 8), engine_gpu(1, "4,5", 8)
+    ('2', '5')
+    """
+    ids = visible.split(",") if visible else [str(i) for i in range(count)]
+    return ids[local_rank].strip()
+
+
 def cpu_kv_cache_size(fraction: float) -> dict:
     """On vLLM CPU, the KV cache as `fraction` of the host's RAM, in bytes (empty on a GPU).
 
@@ -168,6 +181,11 @@ class VLLMEngine:
         self.separate_process = separate_process
         kv_cache = cpu_kv_cache_size(cfg.gpu_memory_utilization)  # before the launcher's variables are hidden
         saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ} if separate_process else {}
+        if separate_process and torch.cuda.is_available():  # the spawned engine core: this process's GPU only
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = engine_gpu(int(saved.get("LOCAL_RANK", "0")), visible,
+                                                            torch.cuda.device_count())  # fmt: skip
+            saved["CUDA_VISIBLE_DEVICES"] = visible  # None: unset again after the start
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
         # vLLM 0.32's AOT compile cache fails to load on the CPU backend ("'function' object has no
         # attribute 'finalize_loading'") and recompiles at every start; its older Inductor cache
@@ -210,7 +228,11 @@ class VLLMEngine:
                 **kv_cache,
             )
         finally:
-            os.environ.update(saved)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             torch.set_num_threads = set_num_threads
 
     def generate(self, prompts, max_tokens, temperature, top_p, stop, seeds=None) -> list[Completion]:

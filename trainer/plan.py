@@ -233,9 +233,13 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     T = t.micro_batch_tokens
     rows, gpu, host = [], {}, {}
 
+    # cpu_offload is FSDP's: one process (one GPU) runs without FSDP (train.py shards only when
+    # world > 1), so nothing is offloaded there, whatever the config says
+    offloaded = t.cpu_offload and t.fsdp and hw.gpus > 1
+
     def add(key: str, label: str, nbytes: float, how: str, resident: bool = False) -> None:
         """Resident state moves to host RAM under cpu_offload; working sets stay on the GPU."""
-        on_host = resident and t.cpu_offload
+        on_host = resident and offloaded
         gpu[key], host[key] = (0.0, nbytes / GB) if on_host else (nbytes / GB, 0.0)
         rows.append((label, gpu[key], host[key] if resident else None, how))
 
@@ -327,7 +331,7 @@ def advice(cfg: Config, plan: dict) -> list[str]:
         chain, trial = [], copy.deepcopy(cfg)
         for key, value in [("exact_grad_sum", False), ("grad_checkpointing", True), ("fsdp", True),
                            ("optimizer", "adamw8bit"), ("cpu_offload", True)]:  # fmt: skip
-            if getattr(trial.train, key) == value or (key == "fsdp" and cfg.hardware.gpus == 1):
+            if getattr(trial.train, key) == value or (key in ("fsdp", "cpu_offload") and cfg.hardware.gpus == 1):
                 continue
             setattr(trial.train, key, value)
             p = memory_plan(trial, with_advice=False)
@@ -363,7 +367,8 @@ def format_plan(cfg: Config, plan: dict) -> str:
         f"{8 * b}-bit params",
         f"{16 if t.bf16 else 8 * b}-bit activations",
         f"fsdp over {hw.gpus}" if t.fsdp else "no fsdp",
-        "cpu offload" if t.cpu_offload else "no offload",
+        ("cpu offload" if hw.gpus > 1 and t.fsdp else "cpu offload off (one process: no FSDP, nothing to offload)")
+        if t.cpu_offload else "no offload",
         "grad checkpointing" if t.grad_checkpointing else "no checkpointing",
         t.optimizer,
         f"kl {t.kl_coef:g}",
