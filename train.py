@@ -407,7 +407,7 @@ def reward_stage(p: RunParts, records: list[dict]) -> dict:
     score_shared(records, cfg.train.reward, params, p.judge, p.rank, p.world)
     constraint_row = constraints_step(p.constraints, records)  # U, then the terms, then the dual update
     if cfg.train.kl_in_reward and p.ref is not None and cfg.train.algo == "grpo":
-        for r, kl in zip(records, kl_penalties(p.ref, records, cfg, p.tokenizer.pad_token_id)):
+        for r, kl in zip(records, kl_penalties(p.ref, records, cfg, p.tokenizer.pad_token_id, p.rank, p.world)):
             r["kl_penalty"] = kl
             r["reward"] -= cfg.train.kl_coef * kl
     return constraint_row

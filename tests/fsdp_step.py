@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,6 +46,24 @@ def save_grads(model, path: Path, rank: int) -> None:
         save_file(grads, str(path))
 
 
+def count_no_grad_tokens(model, ref) -> dict:
+    """{"old": n, "ref": n}, filled as the step runs: the tokens (attention mask ones) this process
+    forwards without gradients through the policy (pi_old) and through the reference."""
+    counted = {"old": 0, "ref": 0}
+
+    def counter(key):
+        def hook(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                counted[key] += int(kwargs["attention_mask"].sum())
+
+        return hook
+
+    model.register_forward_pre_hook(counter("old"), with_kwargs=True)
+    if ref is not None:
+        ref.register_forward_pre_hook(counter("ref"), with_kwargs=True)
+    return counted
+
+
 def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int, first: bool) -> dict:
     cfg = load_config(None, case["overrides"])
     sharded = cfg.train.fsdp and world > 1
@@ -59,8 +78,10 @@ def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int,
     if first:
         distributed.save_full_state(model, out / "initial.safetensors", rank)
     optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
+    counted = count_no_grad_tokens(model, ref)
     t0 = time.time()
     stats = grpo_step(model, ref, records, optimizer, cfg, spec["pad_id"], step=0, rank=rank, world=world)
+    (out / f"{case['name']}.tokens.rank{rank}.json").write_text(json.dumps(counted))
     reference = None if ref is None else "sharded" if isinstance(ref, FSDPModule) else "plain"
     stats |= {"seconds": time.time() - t0, "world": world, "sharded": sharded, "reference": reference}
     distributed.save_full_state(model, out / f"{case['name']}.safetensors", rank)

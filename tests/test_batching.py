@@ -51,3 +51,31 @@ def test_batches_cover_every_index_once_and_keep_the_budget():
     assert 1 - real / padded <= 0.1
     long = token_budget_batches([5000, 10, 10], 2048, random.Random(0))  # over budget: alone
     assert sorted(map(sorted, long)) == [[0], [1, 2]]
+
+
+def test_selected_logprobs_and_their_gradient_match_the_batched_log_softmax():
+    """batching.selected_logprobs (x_t - logsumexp x, softmax recomputed per row in the backward)
+    against torch's log_softmax + gather on the same fp32 logits: the same quantities evaluated in
+    another order. Logprobs: the log-normaliser's sum of V terms in another order plus a few
+    roundings (logprob_atol at these logits, |z| < 4). Gradients: onehot - softmax, each entry a
+    softmax evaluated another way, within FP32_FORMULA of it, |grad| <= 1. Entropy: V terms
+    p log p, each log p within logprob_atol (sum p = 1), then the sum in another order: twice it."""
+    import torch
+    from numerics import FP32_FORMULA, assert_close, logprob_atol
+
+    from trainer.batching import row_entropy, selected_logprobs
+
+    torch.manual_seed(0)
+    vocab = 50
+    logits = (torch.randn(3, 7, vocab) * 1.3).clamp(-4, 4).requires_grad_(True)
+    targets = torch.randint(0, vocab, (3, 7))
+    weights = torch.randn(3, 7)  # a loss that weighs each position differently
+    mine = selected_logprobs(logits, targets)
+    (mine * weights).sum().backward()
+    grad_mine, logits.grad = logits.grad.clone(), None
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    (ref * weights).sum().backward()
+    assert_close(mine, ref, rtol=0, atol=logprob_atol(vocab, logit_max=4.0), what="logprobs")
+    assert_close(grad_mine, logits.grad, rtol=0, atol=FP32_FORMULA * weights.abs().max(), what="gradients")
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    assert_close(row_entropy(logits), entropy, rtol=0, atol=logprob_atol(vocab, logit_max=4.0) * 2, what="entropy")

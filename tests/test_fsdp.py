@@ -286,6 +286,20 @@ def test_full_weights_equal_single_process_state_dict(runs):
     assert_equal_bits(gathered, state, what="gathered initial weights")
 
 
+def test_each_process_forwards_about_half_of_the_no_grad_tokens(runs):
+    """The reference's and pi_old's logprobs: each of 2 processes forwards its share of the batch
+    (distributed.no_grad_runs), not all of it (issue 33: at most ~55% of the 1-process tokens).
+    kl_two_minibatches computes both; exact deals whole micro-batches of the 1-process cut."""
+    single, fsdp, _ = runs
+    for case in ("kl_two_minibatches", "exact"):
+        one = json.loads((single / f"{case}.tokens.rank0.json").read_text())
+        assert one["old"] > 0 and one["ref"] > 0
+        for rank in range(2):
+            mine = json.loads((fsdp / f"{case}.tokens.rank{rank}.json").read_text())
+            for key in ("old", "ref"):
+                assert mine[key] <= 0.55 * one[key], (case, rank, key, mine[key], one[key])
+
+
 @pytest.mark.parametrize("case", ["bf16", "cpu_offload"])
 def test_sharded_step_runs(runs, case):
     _, fsdp, _ = runs

@@ -55,10 +55,13 @@ def trained_positions(model, record, cfg, tok):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     grpo_step(model, None, [record], opt, cfg, tok.pad_token_id)
     handle.remove()
-    grad = captured["logits"].grad[0]  # (T, V); logits at t-1 predict token t
+    grad = captured["logits"].grad[0]  # (K, V): the last K positions' logits; position p predicts token p + 1
+    # the update asks for no logits before the first response token's predicting position (logits_to_keep)
+    offset = len(record["prompt_ids"]) + len(record["response_ids"]) - grad.shape[0]
+    assert offset == len(record["prompt_ids"]) - 1
     # exact zeros: a masked position's loss term is multiplied by a 0 mask, so its gradient is
     # exactly 0, not merely small
-    return [t for t in range(1, grad.shape[0]) if grad[t - 1].abs().sum() > 0]
+    return [offset + j + 1 for j in range(grad.shape[0]) if grad[j].abs().sum() > 0]
 
 
 def test_gradient_is_exactly_zero_on_prompt_and_retrieved_tokens(tmp_path):

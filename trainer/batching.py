@@ -103,8 +103,52 @@ def min_padding_cuts(sorted_lengths: list[int], budget: int, max_padding: float 
 
 def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """log p(ids[:, t] | ids[:, :t]) for t >= 1, shape (B, T-1). Position t-1 predicts token t."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return selected_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
+
+
+class _SelectedLogprobs(torch.autograd.Function):
+    """log_softmax(logits)[target] = logit[target] - logsumexp(logits), float32, whose backward
+    recomputes the softmax one sequence at a time. The graph keeps the logits (which exist
+    anyway, in the model's dtype) and one log-normaliser per position, not a float32
+    log-softmax of the whole vocabulary; the float32 copies live for one row at a time (TRL's
+    selective_log_softmax and verl's fused kernels avoid the same copies)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.stack([torch.logsumexp(row.float(), -1) for row in logits])
+        ctx.save_for_backward(logits, targets, lse)
+        return logits.gather(-1, targets[..., None]).squeeze(-1).float() - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for b in range(len(logits)):  # d/dx (x_t - lse) = onehot(t) - softmax(x)
+            g = -torch.exp(logits[b].float() - lse[b, :, None]) * grad[b, :, None]
+            grad_logits[b] = g.scatter_add_(-1, targets[b, :, None], grad[b, :, None]).to(logits.dtype)
+        return grad_logits, None
+
+
+def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[..., target] in float32 ([B, T, V] logits, [B, T] targets), without a
+    float32 copy or log-softmax of the whole micro-batch's vocabulary (B x T x V x 4 bytes: 2.4 GB
+    for 4096 tokens of Qwen2.5's 152k vocabulary), in the forward or kept for the backward.
+
+    >>> selected_logprobs(torch.zeros(1, 2, 4), torch.tensor([[0, 3]])).exp()   # uniform over 4
+    tensor([[0.2500, 0.2500]])
+    """
+    return _SelectedLogprobs.apply(logits, targets)
+
+
+@torch.no_grad()
+def row_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """-sum_v p log p of each position ([B, T, V] -> [B, T], float32), one sequence at a time,
+    no graph: the entropy as a statistic (train.entropy_coef 0)."""
+    out = []
+    for row in logits:
+        logp = torch.log_softmax(row.float(), -1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(out)
 
 
 def pad_rows(rows: list, width: int) -> torch.Tensor:

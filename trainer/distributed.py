@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import faults
-from trainer.batching import token_budget_batches
+from trainer.batching import pad_batch, per_position, token_budget_batches
 from trainer.config import Config
 
 # Name parts that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
@@ -241,6 +241,66 @@ def balanced_micro_batches(items: list[int], lengths: list[int], budget: int, ra
         mine = cut(items[rank::world], lengths[rank::world])
         n_micro = int(all_reduce(torch.tensor(float(len(mine))), world, "max"))
     return [(idx, 1.0) for idx in mine] + [(mine[0] if mine else items[:1], 0.0)] * (n_micro - len(mine))
+
+
+def no_grad_runs(lengths: list[int], budget: int, rank: int, world: int,
+                 exact: bool = False) -> list[tuple[list[int], bool]]:  # fmt: skip
+    """Process `rank`'s micro-batches of a pass without gradients over every sequence (the
+    reference's and pi_old's logprobs, the critic's values): (indices, real). Each sequence is
+    forwarded by one process, then the rows are shared (`shared_per_position`), so 2 processes
+    each forward about half of the tokens, not all of them.
+
+    Default: sequences dealt longest first, each to the process with the fewest tokens so far,
+    then cut into token-budget micro-batches. exact (train.exact_grad_sum): the micro-batches of
+    the 1-process cut of the whole batch, dealt the same way: each row is then computed in the
+    very batch a 1-process run computes it in, so it is the same to the bit. Processes
+    with fewer micro-batches repeat the shortest sequence (real False) until all have run as many
+    forwards as the busiest (FSDP's all-gathers must line up).
+
+    >>> no_grad_runs([50, 10, 40, 12], 64, 0, 2)   # 60 tokens (a padded pair of 50 and 10 is over 64)
+    [([1], True), ([0], True)]
+    >>> no_grad_runs([50, 10, 40, 12], 64, 1, 2)   # 52 tokens
+    [([3], True), ([2], True)]
+    """
+    if exact:  # whole micro-batches of the 1-process cut, dealt largest first to the least loaded
+        micro, load, mine_of = token_budget_batches(lengths, budget, random.Random(0)), [0] * world, {}
+        for b in sorted(micro, key=lambda b: -sum(lengths[i] for i in b)):
+            k = min(range(world), key=load.__getitem__)
+            load[k] += sum(lengths[i] for i in b)
+            mine_of.setdefault(k, []).append(b)
+        mine, n_micro = mine_of.get(rank, []), max(len(m) for m in mine_of.values())
+    else:  # every process deals and cuts every share (no message needed), and keeps its own
+        load, shares = [0] * world, [[] for _ in range(world)]
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            k = min(range(world), key=load.__getitem__)
+            load[k] += lengths[i]
+            shares[k].append(i)
+        micro = [[[share[j] for j in b] for b in token_budget_batches([lengths[i] for i in share], budget,
+                                                                       random.Random(0))]
+                 for share in map(sorted, shares)]  # fmt: skip
+        mine, n_micro = micro[rank], max(len(m) for m in micro)
+    filler = [min(range(len(lengths)), key=lengths.__getitem__)]  # the cheapest repeat
+    return [(idx, True) for idx in mine] + [(filler, False)] * (n_micro - len(mine))
+
+
+@torch.no_grad()
+def shared_per_position(fn, seqs: list[list[int]], budget: int, pad_id: int, rank: int = 0, world: int = 1,
+                        exact: bool = False) -> list[torch.Tensor]:  # fmt: skip
+    """batching.per_position (fn(ids, attn) -> [B, T-1], one float32 row per sequence) with the
+    work shared: each process forwards its micro-batches of `no_grad_runs`, then every process
+    gets every row (gather_lists). One process: per_position itself."""
+    if world == 1:
+        return per_position(fn, seqs, budget, pad_id)
+    rows = []
+    for idx, real in no_grad_runs([len(s) for s in seqs], budget, rank, world, exact):
+        ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
+        values = fn(ids, attn).float().cpu()
+        if real:
+            rows += [(i, values[row, : len(seqs[i]) - 1].clone()) for row, i in enumerate(idx)]
+    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    for i, row in gather_lists(rows, world):
+        out[i] = row
+    return out
 
 
 def accumulating(model, runs: list, exact: bool, world: int) -> Iterator:

@@ -29,7 +29,14 @@ import random
 import torch
 
 from agent.answers import parsed
-from trainer.batching import pad_batch, pad_rows, per_position, policy_positions, token_logprobs
+from trainer.batching import (
+    pad_batch,
+    pad_rows,
+    policy_positions,
+    row_entropy,
+    selected_logprobs,
+    token_logprobs,
+)
 from trainer.config import Config, TrainingFault
 from trainer.distributed import (
     accumulating,
@@ -38,6 +45,7 @@ from trainer.distributed import (
     clip_grad_norm,
     compute_device,
     local_finite,
+    shared_per_position,
 )
 
 
@@ -164,16 +172,36 @@ def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[d
     return out
 
 
-def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int, bf16: bool = False) -> list:
+def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int, bf16: bool = False, rank: int = 0,
+                   world: int = 1, exact: bool = False) -> list:  # fmt: skip
     """log pi(token t | tokens < t) of every position of every sequence, no gradient: the
-    reference model's logprobs, or pi_old recomputed by the trainer before the first update."""
+    reference model's logprobs, or pi_old recomputed by the trainer before the first update.
+    With several processes each forwards its share and all get every row (shared_per_position)."""
     device = compute_device(model)
 
     def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         with _autocast(bf16):
             return token_logprobs(model, ids.to(device), attn.to(device))
 
-    return per_position(logprobs, [s["ids"] for s in seqs], micro_batch_tokens, pad_id)
+    return shared_per_position(logprobs, [s["ids"] for s in seqs], micro_batch_tokens, pad_id, rank, world, exact)
+
+
+def _first_scored(seq: dict) -> int:
+    """The first position whose logprob the update uses (a loss or a sampled token); before it,
+    the prompt's positions."""
+    scored = torch.nonzero(seq["loss_mask"] + seq["sampled"])
+    return int(scored[0]) if len(scored) else len(seq["loss_mask"])
+
+
+def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool) -> tuple:
+    """(log pi of each target, entropy of each position), float32, from [B, T, V] logits. The
+    entropy's gradient (entropy_coef > 0) needs the whole log-softmax in the graph; without it
+    the entropy is a statistic and no float32 copy of the micro-batch's logits is made
+    (batching.selected_logprobs, row_entropy)."""
+    if entropy_grad:
+        logp_all = torch.log_softmax(logits.float(), -1)
+        return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+    return selected_logprobs(logits, targets), row_entropy(logits)
 
 
 def _autocast(bf16: bool):
@@ -203,10 +231,13 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
     seqs = sequence_tensors(records, tcfg.mask_retrieved)
     kl_coef = 0.0 if tcfg.kl_in_reward else tcfg.kl_coef  # in the reward already (kl_penalties)
     mbt = tcfg.micro_batch_tokens
-    ref = batch_logprobs(ref_model, seqs, mbt, pad_id, tcfg.bf16) if ref_model is not None and kl_coef > 0 else None
+    shared = {"rank": rank, "world": world, "exact": tcfg.exact_grad_sum}  # each process forwards its share
+    ref = batch_logprobs(ref_model, seqs, mbt, pad_id, tcfg.bf16, **shared) if ref_model is not None and kl_coef > 0 \
+        else None  # fmt: skip
     updates = tcfg.epochs * tcfg.mini_batches
     recompute = updates > 1 or tcfg.recompute_old_logprobs or tcfg.is_correction > 0
-    old = batch_logprobs(model, seqs, mbt, pad_id, tcfg.bf16) if recompute else [s["engine_logp"] for s in seqs]
+    old = batch_logprobs(model, seqs, mbt, pad_id, tcfg.bf16, **shared) if recompute else \
+        [s["engine_logp"] for s in seqs]  # fmt: skip
     is_weight = [torch.ones_like(s["engine_logp"]) for s in seqs]
     if tcfg.is_correction > 0:
         is_weight = [torch.exp(o - s["engine_logp"]).clamp(max=tcfg.is_correction) * s["sampled"] + (1 - s["sampled"])
@@ -256,10 +287,14 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         ids, attn = ids.to(device), attn.to(device)
         m = pad_rows([seqs[i]["loss_mask"] for i in idx], width - 1).to(device)
         w = torch.tensor([weight[i] for i in idx], device=device)[:, None] * real  # a repeat adds nothing
+        # logits only from the first scored position on (prompts take none: HF's logits_to_keep),
+        # and the full-vocabulary float32 log-softmax only where the entropy's gradient needs it
+        first = min(min(_first_scored(seqs[i]) for i in idx), width - 2)
         with _autocast(tcfg.bf16):
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp_all = torch.log_softmax(logits.float(), -1)
-        logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=width - first).logits[:, :-1]
+        logp, entropy = _logprobs_and_entropy(logits, ids[:, first + 1 :], tcfg.entropy_coef > 0)
+        del logits
+        logp, entropy = torch.nn.functional.pad(logp, (first, 0)), torch.nn.functional.pad(entropy, (first, 0))
         sampled = pad_rows([seqs[i]["sampled"] for i in idx], width - 1).to(device)
         # Retrieved tokens were never sampled, so there is no pi_old for them; in the no-mask
         # ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
@@ -272,8 +307,6 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
             logp, old_logp, adv, ref_logp, tcfg.clip_eps, kl_coef, tcfg.clip_eps_high, tcfg.dual_clip,
             tcfg.kl_estimator, pad_rows([is_weight[i] for i in idx], width - 1).to(device),
         )  # fmt: skip
-        with torch.set_grad_enabled(tcfg.entropy_coef > 0):
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
         loss = ((tok_loss - tcfg.entropy_coef * entropy) * m * w).sum()
         loss.backward()
         with torch.no_grad():
@@ -330,18 +363,21 @@ def lr_at(step: int, cfg: Config) -> float:
     return cfg.train.lr
 
 
-def kl_per_position(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[torch.Tensor]:
+def kl_per_position(ref_model, records: list[dict], cfg: Config, pad_id: int, rank: int = 0,
+                    world: int = 1) -> list[torch.Tensor]:  # fmt: skip
     """KL_t(pi_old || ref) on every sampled token of each rollout (0 elsewhere), pi_old being the
     engine's sampling logprobs: the KL that `kl_in_reward` puts into the reward."""
     seqs = sequence_tensors(records)
-    ref = batch_logprobs(ref_model, seqs, cfg.train.micro_batch_tokens, pad_id, cfg.train.bf16)
+    ref = batch_logprobs(ref_model, seqs, cfg.train.micro_batch_tokens, pad_id, cfg.train.bf16, rank, world,
+                         cfg.train.exact_grad_sum)  # fmt: skip
     return [kl_estimate(s["engine_logp"], r, cfg.train.kl_estimator) * s["sampled"] for s, r in zip(seqs, ref)]
 
 
-def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int) -> list[float]:
+def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int, rank: int = 0,
+                 world: int = 1) -> list[float]:  # fmt: skip
     """sum_t KL_t per rollout (kl_per_position): what GRPO's `kl_in_reward` subtracts from the
     reward (times kl_coef) before the advantages."""
-    return [float(k.sum()) for k in kl_per_position(ref_model, records, cfg, pad_id)]
+    return [float(k.sum()) for k in kl_per_position(ref_model, records, cfg, pad_id, rank, world)]
 
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.batching import pad_batch, pad_rows, per_position, policy_positions
+from trainer.batching import pad_batch, pad_rows, policy_positions
 from trainer.config import Config
 from trainer.distributed import (
     accumulating,
@@ -57,6 +57,7 @@ from trainer.distributed import (
     clip_grad_norm,
     compute_device,
     full_weights,
+    shared_per_position,
 )
 from trainer.grpo import ensure_finite, grpo_step, kl_per_position
 
@@ -249,12 +250,15 @@ def critic_optimizer(critic: Critic, lr: float = 1e-5, weight_decay: float = 0.0
     return torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay)
 
 
-def critic_values(critic: Critic, records: list[dict], micro_batch_tokens: int, pad_id: int) -> list[torch.Tensor]:
-    """V for every position of every record (float32, length len(ids) - 1), no gradient."""
+def critic_values(critic: Critic, records: list[dict], micro_batch_tokens: int, pad_id: int, rank: int = 0,
+                  world: int = 1, exact: bool = False) -> list[torch.Tensor]:  # fmt: skip
+    """V for every position of every record (float32, length len(ids) - 1), no gradient. With
+    several processes each forwards its share and all get every row (shared_per_position)."""
     critic.eval()
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
     device = compute_device(critic)  # the GPU, also when FSDP offloads the critic to the host
-    return per_position(lambda ids, attn: critic(ids.to(device), attn.to(device)), seqs, micro_batch_tokens, pad_id)
+    return shared_per_position(lambda ids, attn: critic(ids.to(device), attn.to(device)), seqs, micro_batch_tokens,
+                               pad_id, rank, world, exact)  # fmt: skip
 
 
 def critic_step(
@@ -359,8 +363,8 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
     policy tokens with the critic's values, whitened advantages; then the clipped policy step
     and as many critic steps on the returns, on the same mini-batches (ppo.critic_update)."""
     tcfg = cfg.train
-    values = critic_values(critic, records, tcfg.micro_batch_tokens, pad_id)
-    kls = kl_per_position(ref, records, cfg, pad_id) if tcfg.kl_in_reward and ref is not None else None
+    values = critic_values(critic, records, tcfg.micro_batch_tokens, pad_id, rank, world, tcfg.exact_grad_sum)
+    kls = kl_per_position(ref, records, cfg, pad_id, rank, world) if tcfg.kl_in_reward and ref is not None else None
     advantages, returns = ppo_advantages(
         records, values, [r["reward"] for r in records], kls, tcfg.kl_coef, tcfg.gae_gamma, tcfg.gae_lambda,
         tcfg.whiten_advantages, tcfg.mask_retrieved,
