@@ -355,7 +355,12 @@ def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | Non
     lora_on = cfg.train.lora_rank > 0
     # LoRA resume: the adapters sit on the ORIGINAL base; the checkpoint's model.safetensors is merged
     model = memory_savers(load_policy(ensure_policy(cfg, run) if lora_on and resume_from else start_dir).eval(), cfg)
-    model = model.to(device)
+    # Several processes: fully_shard moves each unit to the device as it shards it (or keeps its
+    # shard on the host under cpu_offload), so the GPU never holds the whole fp32 policy; moved
+    # first, a 7B policy (28 GB) and its reference (14 GB) would sit beside vLLM's share before
+    # being sharded. Each process still reads the whole checkpoint into host RAM (see the README)
+    local = world == 1
+    model = model.to(device) if local else model
     if lora_on:
         model = load_lora(model, resume_from) if resume_from else add_lora(
             model, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_dropout, cfg.train.lora_targets or None
@@ -364,12 +369,13 @@ def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | Non
     if needs_reference(cfg):  # the frozen reference is the starting policy
         ref_dir = ensure_policy(cfg, run) if resume_from else start_dir  # frozen: model.dtype, no fp32 master
         ref = load_policy(ref_dir, cfg.model.dtype).eval().requires_grad_(False)
-        ref = ref.to(device)
+        ref = ref.to(device) if local else ref
     if world > 1:
         model, ref = shard(model, cfg), shard_reference(ref, cfg)
     critic = None
     if cfg.train.algo == "ppo":
-        critic = load_critic(resume_from if resume_from else start_dir).to(device)
+        critic = load_critic(resume_from if resume_from else start_dir)
+        critic = critic.to(device) if local else critic
         memory_savers(critic.backbone, cfg)
         if world > 1:
             critic = shard_critic(critic, cfg)

@@ -294,7 +294,9 @@ class VLLMEngine:
     def load_weights(self, named_tensors) -> None:
         if self.asleep:  # the weights first: the KV cache is not needed to load them
             # the update's freed blocks go back to the driver first, or vLLM's own allocator cannot
-            # map its pool again beside torch's cache (TRL and verl empty it before each wake)
+            # map its pool again beside torch's cache (TRL and verl empty it before each wake).
+            # Not shown by a test: sleep mode is CUDA-only and the CPU engine refuses it
+            # (test_rollout_engines.py::test_sleep_mode_is_refused_on_cpu_with_a_clear_error)
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         if self.separate_process:
