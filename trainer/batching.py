@@ -106,16 +106,22 @@ def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
     return selected_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
 
 
+@torch.no_grad()
+def log_normalizers(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the vocabulary of each position ([B, T, V] -> [B, T], float32), one
+    sequence at a time: the float32 copy of the logits exists for one row only."""
+    return torch.stack([torch.logsumexp(row.float(), -1) for row in logits])
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     """log_softmax(logits)[target] = logit[target] - logsumexp(logits), float32, whose backward
     recomputes the softmax one sequence at a time. The graph keeps the logits (which exist
     anyway, in the model's dtype) and one log-normaliser per position, not a float32
-    log-softmax of the whole vocabulary; the float32 copies live for one row at a time (TRL's
-    selective_log_softmax and verl's fused kernels avoid the same copies)."""
+    log-softmax of the whole vocabulary (TRL's selective_log_softmax and verl's fused kernels
+    avoid the same copies)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        lse = torch.stack([torch.logsumexp(row.float(), -1) for row in logits])
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(logits, targets, lse)
         return logits.gather(-1, targets[..., None]).squeeze(-1).float() - lse
 
@@ -126,27 +132,28 @@ class _SelectedLogprobs(torch.autograd.Function):
         for b in range(len(logits)):  # d/dx (x_t - lse) = onehot(t) - softmax(x)
             g = -torch.exp(logits[b].float() - lse[b, :, None]) * grad[b, :, None]
             grad_logits[b] = g.scatter_add_(-1, targets[b, :, None], grad[b, :, None]).to(logits.dtype)
-        return grad_logits, None
+        return grad_logits, None, None
 
 
-def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     """log_softmax(logits)[..., target] in float32 ([B, T, V] logits, [B, T] targets), without a
     float32 copy or log-softmax of the whole micro-batch's vocabulary (B x T x V x 4 bytes: 2.4 GB
     for 4096 tokens of Qwen2.5's 152k vocabulary), in the forward or kept for the backward.
+    `lse`: the logits' log_normalizers, when the caller has them already (row_entropy uses them too).
 
     >>> selected_logprobs(torch.zeros(1, 2, 4), torch.tensor([[0, 3]])).exp()   # uniform over 4
     tensor([[0.2500, 0.2500]])
     """
-    return _SelectedLogprobs.apply(logits, targets)
+    return _SelectedLogprobs.apply(logits, targets, log_normalizers(logits) if lse is None else lse)
 
 
 @torch.no_grad()
-def row_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """-sum_v p log p of each position ([B, T, V] -> [B, T], float32), one sequence at a time,
-    no graph: the entropy as a statistic (train.entropy_coef 0)."""
+def row_entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """-sum_v p log p of each position ([B, T, V] -> [B, T], float32) from the logits and their
+    log_normalizers, one sequence at a time, no graph: the entropy as a statistic (entropy_coef 0)."""
     out = []
-    for row in logits:
-        logp = torch.log_softmax(row.float(), -1)
+    for row, row_lse in zip(logits, lse):
+        logp = row.float() - row_lse[:, None]
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.stack(out)
 
@@ -167,15 +174,24 @@ def policy_positions(record: dict, mask_retrieved: bool = True) -> list[int]:
     return ([0] * len(record["prompt_ids"]) + list(response))[1:]
 
 
+def forward_rows(fn, seqs: list[list[int]], batches: list[tuple[list[int], bool]], pad_id: int) -> dict:
+    """fn(input_ids, attention_mask) -> [B, T-1] over `batches` ((indices, keep) pairs): {index:
+    the float32 row of each kept sequence, length len(seq) - 1}. A batch not kept is run for its
+    collectives only (FSDP). Right padding changes no row (causal attention)."""
+    out = {}
+    for idx, keep in batches:
+        ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
+        values = fn(ids, attn).float().cpu()
+        if keep:
+            out.update((i, values[row, : len(seqs[i]) - 1].clone()) for row, i in enumerate(idx))
+    return out
+
+
 @torch.no_grad()
 def per_position(fn, seqs: list[list[int]], micro_batch_tokens: int, pad_id: int) -> list[torch.Tensor]:
     """fn(input_ids, attention_mask) -> [B, T-1] over token-budget micro-batches, split back into
     one float32 row per sequence (length len(seq) - 1): log-probs of a policy or reference,
-    values of a critic. Right padding changes no row (causal attention)."""
-    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-    for idx in token_budget_batches([len(s) for s in seqs], micro_batch_tokens, random.Random(0)):
-        ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
-        values = fn(ids, attn).float().cpu()
-        for row, i in enumerate(idx):
-            out[i] = values[row, : len(seqs[i]) - 1].clone()
-    return out
+    values of a critic."""
+    batches = token_budget_batches([len(s) for s in seqs], micro_batch_tokens, random.Random(0))
+    rows = forward_rows(fn, seqs, [(b, True) for b in batches], pad_id)
+    return [rows[i] for i in range(len(seqs))]

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import faults
-from trainer.batching import pad_batch, per_position, token_budget_batches
+from trainer.batching import forward_rows, per_position, token_budget_batches
 from trainer.config import Config
 
 # Name parts that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
@@ -243,6 +243,17 @@ def balanced_micro_batches(items: list[int], lengths: list[int], budget: int, ra
     return [(idx, 1.0) for idx in mine] + [(mine[0] if mine else items[:1], 0.0)] * (n_micro - len(mine))
 
 
+def _deal(weights: list[int], world: int) -> list[list[int]]:
+    """Indices of `weights` dealt to `world` processes, heaviest first, each to the one with the
+    least weight so far. _deal([50, 10, 40, 12], 2) == [[0, 1], [2, 3]]."""
+    load, shares = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        k = min(range(world), key=load.__getitem__)
+        load[k] += weights[i]
+        shares[k].append(i)
+    return shares
+
+
 def no_grad_runs(lengths: list[int], budget: int, rank: int, world: int,
                  exact: bool = False) -> list[tuple[list[int], bool]]:  # fmt: skip
     """Process `rank`'s micro-batches of a pass without gradients over every sequence (the
@@ -262,23 +273,15 @@ def no_grad_runs(lengths: list[int], budget: int, rank: int, world: int,
     >>> no_grad_runs([50, 10, 40, 12], 64, 1, 2)   # 52 tokens
     [([3], True), ([2], True)]
     """
-    if exact:  # whole micro-batches of the 1-process cut, dealt largest first to the least loaded
-        micro, load, mine_of = token_budget_batches(lengths, budget, random.Random(0)), [0] * world, {}
-        for b in sorted(micro, key=lambda b: -sum(lengths[i] for i in b)):
-            k = min(range(world), key=load.__getitem__)
-            load[k] += sum(lengths[i] for i in b)
-            mine_of.setdefault(k, []).append(b)
-        mine, n_micro = mine_of.get(rank, []), max(len(m) for m in mine_of.values())
-    else:  # every process deals and cuts every share (no message needed), and keeps its own
-        load, shares = [0] * world, [[] for _ in range(world)]
-        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-            k = min(range(world), key=load.__getitem__)
-            load[k] += lengths[i]
-            shares[k].append(i)
+    # every process deals every share (no message needed) and keeps its own
+    if exact:  # whole micro-batches of the 1-process cut
+        cut = token_budget_batches(lengths, budget, random.Random(0))
+        micro = [[cut[j] for j in share] for share in _deal([sum(lengths[i] for i in b) for b in cut], world)]
+    else:  # sequences, each process's share then cut
         micro = [[[share[j] for j in b] for b in token_budget_batches([lengths[i] for i in share], budget,
                                                                        random.Random(0))]
-                 for share in map(sorted, shares)]  # fmt: skip
-        mine, n_micro = micro[rank], max(len(m) for m in micro)
+                 for share in map(sorted, _deal(lengths, world))]  # fmt: skip
+    mine, n_micro = micro[rank], max(len(m) for m in micro)
     filler = [min(range(len(lengths)), key=lengths.__getitem__)]  # the cheapest repeat
     return [(idx, True) for idx in mine] + [(filler, False)] * (n_micro - len(mine))
 
@@ -291,16 +294,9 @@ def shared_per_position(fn, seqs: list[list[int]], budget: int, pad_id: int, ran
     gets every row (gather_lists). One process: per_position itself."""
     if world == 1:
         return per_position(fn, seqs, budget, pad_id)
-    rows = []
-    for idx, real in no_grad_runs([len(s) for s in seqs], budget, rank, world, exact):
-        ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
-        values = fn(ids, attn).float().cpu()
-        if real:
-            rows += [(i, values[row, : len(seqs[i]) - 1].clone()) for row, i in enumerate(idx)]
-    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-    for i, row in gather_lists(rows, world):
-        out[i] = row
-    return out
+    mine = forward_rows(fn, seqs, no_grad_runs([len(s) for s in seqs], budget, rank, world, exact), pad_id)
+    rows = dict(gather_lists(list(mine.items()), world))
+    return [rows[i] for i in range(len(seqs))]
 
 
 def accumulating(model, runs: list, exact: bool, world: int) -> Iterator:

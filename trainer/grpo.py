@@ -30,6 +30,7 @@ import torch
 
 from agent.answers import parsed
 from trainer.batching import (
+    log_normalizers,
     pad_batch,
     pad_rows,
     policy_positions,
@@ -201,7 +202,8 @@ def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_g
     if entropy_grad:
         logp_all = torch.log_softmax(logits.float(), -1)
         return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-    return selected_logprobs(logits, targets), row_entropy(logits)
+    lse = log_normalizers(logits)  # one logsumexp pass, shared by both
+    return selected_logprobs(logits, targets, lse), row_entropy(logits, lse)
 
 
 def _autocast(bf16: bool):
