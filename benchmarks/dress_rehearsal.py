@@ -37,7 +37,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
+from conftest import free_port  # noqa: E402  (tests/conftest.py: a free TCP port for the rendezvous)
+
+from tiny.world import world_dir  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 PAPER_CONFIGS = [p.stem for p in sorted((ROOT / "configs").glob("search_r1_*.yaml"))] + [
@@ -57,8 +61,6 @@ SKIPPED = {"rollout.sleep_mode": "vLLM's sleep mode is CUDA/ROCm only (the CPU e
 
 def micro_world() -> tuple[Path, Path]:
     """(world dir, policy dir with a ChatML template): built once by tiny.sft."""
-    from tiny.world import world_dir
-
     WORK.mkdir(parents=True, exist_ok=True)
     config = WORK / "micro.yaml"
     config.write_text(yaml.safe_dump(MICRO_WORLD))
@@ -94,8 +96,6 @@ def size_overrides(name: str, world: Path, policy: Path) -> list[str]:
 
 def launch(args: list[str]) -> tuple[int, str, float]:
     """train.py `args` under a 2-process `accelerate launch` (CPU processes, gloo): (exit, log tail, s)."""
-    from conftest import free_port  # tests/conftest.py: a free TCP port for the rendezvous
-
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(free_port()), "train.py", *args]  # fmt: skip
@@ -136,7 +136,6 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=PAPER_CONFIGS, choices=PAPER_CONFIGS, metavar="NAME",
                         help=f"paper configs to rehearse (default: all: {' '.join(PAPER_CONFIGS)})")  # fmt: skip
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
     world, chat = micro_world()
     results = [rehearse(name, world, chat) for name in args.configs]
     print(f"\n{'config':<40} {'first':>5} {'resume':>6} {'steps':>10} {'s':>5}")
