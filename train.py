@@ -91,18 +91,21 @@ from trainer.data import check_prompt_lengths, data_paths, ensure_policy, load_q
 from trainer.distributed import (
     all_reduce,
     broadcast,
+    check_shared_run_dir,
     close,
     full_weights,
     gather_lists,
     init,
+    load_from_rank0,
     make_optimizer,
     my_share,
     needs_reference,
+    process_layout,
     shard,
     shard_critic,
     shard_reference,
 )
-from trainer.engine import load_policy, load_tokenizer, make_engine
+from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engine
 from trainer.faults import Interrupted, stop_on_signals, stopped_answering, wait_for_main
 from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, memory_savers, rft_select, rft_step
 from trainer.lora import add_lora, load_lora, merged_weights
@@ -306,6 +309,9 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     for questions, kind in ((train_q, "train"), (val_q, "val")):  # a prompt too long for the engine: refused here
         check_prompt_lengths(questions, tokenizer, cfg.rollout, paths[kind])
     timings: dict[str, float] = {}
+    # read before the engine starts: vLLM CPU sets LOCAL_WORLD_SIZE to its tensor-parallel size
+    # in this process (vllm/platforms/cpu.py), which a 2-process launch then reads as 1
+    here = process_layout(rank, device)
     before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     # an engine per process (per tensor-parallel group): vLLM's external_launcher joins the
     # launcher's processes; "file": each engine in a process of its own (trainer/engine.py)
@@ -316,8 +322,13 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     )  # before bm25s
     engine_gib = (torch.cuda.memory_allocated() - before) / 2**30 if torch.cuda.is_available() else 0.0
     search_fn = make_search_fn(cfg, paths["corpus"], timings)
+    where = {"engine": cfg.rollout.engine, "engine_kv_cache_bytes": engine.kv_cache_bytes,
+             "retriever": cfg.retriever.url or "in process"}  # fmt: skip
+    layout = gather_lists([here | where], world)
+    if rank == 0:  # which rank ran where: a several-machine launch, checked after the fact
+        (run / "processes.json").write_text(json.dumps(layout, indent=1))
     torch.set_num_threads(cfg.train.threads)  # vLLM's GPU worker drops torch to 1 thread "for serving"
-    model, ref, critic = load_models(cfg, run, start_dir, resume_from, device, world)
+    model, ref, critic = load_models(cfg, run, start_dir, resume_from, device, rank, world)
     trainable = [q for q in model.parameters() if q.requires_grad]  # all of them, or LoRA's adapters
     optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     critic_opt = critic_optimizer(critic, cfg.train.critic_lr) if critic is not None else None
@@ -349,33 +360,37 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     return p
 
 
-def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | None, device, world: int) -> tuple:
+def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | None, device, rank: int,
+                world: int) -> tuple:  # fmt: skip
     """(policy, frozen reference or None, critic or None), on this process's device, sharded
     with FSDP when there are several processes."""
     lora_on = cfg.train.lora_rank > 0
-    # LoRA resume: the adapters sit on the ORIGINAL base; the checkpoint's model.safetensors is merged
-    model = memory_savers(load_policy(ensure_policy(cfg, run) if lora_on and resume_from else start_dir).eval(), cfg)
-    # Several processes: fully_shard moves each unit to the device as it shards it (or keeps its
-    # shard on the host under cpu_offload), so the GPU never holds the whole fp32 policy; moved
-    # first, a 7B policy (28 GB) and its reference (14 GB) would sit beside vLLM's share before
-    # being sharded. Each process still reads the whole checkpoint into host RAM (see the README)
-    local = world == 1
-    model = model.to(device) if local else model
-    if lora_on:
-        model = load_lora(model, resume_from) if resume_from else add_lora(
-            model, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_dropout, cfg.train.lora_targets or None
-        )  # fmt: skip
+    # the frozen reference is the starting policy, in model.dtype (no fp32 master)
+    ref_dir = (ensure_policy(cfg, run) if resume_from else start_dir) if needs_reference(cfg) else None
     ref = None
-    if needs_reference(cfg):  # the frozen reference is the starting policy
-        ref_dir = ensure_policy(cfg, run) if resume_from else start_dir  # frozen: model.dtype, no fp32 master
-        ref = load_policy(ref_dir, cfg.model.dtype).eval().requires_grad_(False)
-        ref = ref.to(device) if local else ref
     if world > 1:
-        model, ref = shard(model, cfg), shard_reference(ref, cfg)
+        # Several processes: built on the meta device and sharded, then rank 0 reads the checkpoint
+        # and each process keeps its slice: no process holds the whole fp32 policy (7B: 28 GB) in
+        # host RAM or beside vLLM's share of its GPU (README, "Loading on the box")
+        model = shard(memory_savers(empty_policy(start_dir).eval(), cfg), cfg)
+        load_from_rank0(model, start_dir, rank, world, cfg)
+        if ref_dir is not None:
+            ref = shard_reference(empty_policy(ref_dir, cfg.model.dtype), cfg)
+            load_from_rank0(ref, ref_dir, rank, world, cfg)
+    else:
+        # LoRA resume: the adapters sit on the ORIGINAL base; the checkpoint's model.safetensors is merged
+        model = memory_savers(load_policy(ensure_policy(cfg, run) if lora_on and resume_from else start_dir).eval(),
+                              cfg).to(device)  # fmt: skip
+        if lora_on:
+            model = load_lora(model, resume_from) if resume_from else add_lora(
+                model, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_dropout, cfg.train.lora_targets or None
+            )  # fmt: skip
+        if ref_dir is not None:
+            ref = load_policy(ref_dir, cfg.model.dtype).eval().requires_grad_(False).to(device)
     critic = None
-    if cfg.train.algo == "ppo":
+    if cfg.train.algo == "ppo":  # every process reads the critic's checkpoint (its head has no meta build)
         critic = load_critic(resume_from if resume_from else start_dir)
-        critic = critic.to(device) if local else critic
+        critic = critic.to(device) if world == 1 else critic
         memory_savers(critic.backbone, cfg)
         if world > 1:
             critic = shard_critic(critic, cfg)
@@ -588,6 +603,7 @@ def main(argv: list[str] | None = None) -> None:
             check_report_to(cfg)
             rank, world, _ = init(cfg.train.dist_timeout)  # several processes: rank 0 names the run directory
             run, ckpt = Path(broadcast(str(new_run_dir(cfg)) if rank == 0 else "", world)), None
+            check_shared_run_dir(run, rank)  # several machines: one filesystem, or one line here
     except (ConfigError, FileNotFoundError, RunDirError) as e:  # RunDirError: run_dir read-only, bad checkpoint
         parser.error(str(e))
     except Interrupted as e:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train import make_optimizer
 from trainer import distributed  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.engine import load_policy  # noqa: E402
+from trainer.engine import empty_policy, load_policy  # noqa: E402
 from trainer.grpo import grpo_step, memory_savers  # noqa: E402
 from trainer.ppo import critic_optimizer, critic_step, critic_values, load_critic  # noqa: E402
 
@@ -67,13 +67,17 @@ def count_no_grad_tokens(model, ref) -> dict:
 def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int, first: bool) -> dict:
     cfg = load_config(None, case["overrides"])
     sharded = cfg.train.fsdp and world > 1
-    model = memory_savers(load_policy(spec["model"]), cfg)  # as train.py: before sharding
-    ref = load_policy(spec["model"]) if distributed.needs_reference(cfg) else None
-    if sharded:
-        model = distributed.shard(model, cfg)
-        ref = distributed.shard_reference(ref, cfg)
+    ref = None
+    if sharded:  # as train.py: built on the meta device, sharded, filled from rank 0's read
+        model = distributed.shard(memory_savers(empty_policy(spec["model"]).eval(), cfg), cfg)
+        distributed.load_from_rank0(model, Path(spec["model"]), rank, world, cfg)
+        if distributed.needs_reference(cfg):
+            ref = distributed.shard_reference(empty_policy(spec["model"]), cfg)
+            distributed.load_from_rank0(ref, Path(spec["model"]), rank, world, cfg)
     else:
-        ref = ref.eval().requires_grad_(False) if ref is not None else None
+        model = memory_savers(load_policy(spec["model"]).eval(), cfg)
+        if distributed.needs_reference(cfg):
+            ref = load_policy(spec["model"]).eval().requires_grad_(False)
     out = Path(spec["out"])
     if first:
         distributed.save_full_state(model, out / "initial.safetensors", rank)
@@ -81,6 +85,10 @@ def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int,
     counted = count_no_grad_tokens(model, ref)
     t0 = time.time()
     stats = grpo_step(model, ref, records, optimizer, cfg, spec["pad_id"], step=0, rank=rank, world=world)
+    if sharded and cfg.train.optimizer == "adamw8bit":  # the storage 8-bit AdamW steps is the model's own
+        stepped = [s for group in optimizer.param_groups for s in group["params"]]
+        stats["optimizer_steps_the_shards"] = all(s.data_ptr() == p.to_local().data_ptr()
+                                                  for s, p in zip(stepped, model.parameters()))  # fmt: skip
     (out / f"{case['name']}.tokens.rank{rank}.json").write_text(json.dumps(counted))
     reference = None if ref is None else "sharded" if isinstance(ref, FSDPModule) else "plain"
     stats |= {"seconds": time.time() - t0, "world": world, "sharded": sharded, "reference": reference}

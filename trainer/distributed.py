@@ -30,9 +30,12 @@ it keeps one code path for the test on CPU and the run on GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import os
 import random
+import socket
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +45,7 @@ import torch.distributed as dist
 
 from trainer import faults
 from trainer.batching import forward_rows, per_position, token_budget_batches
-from trainer.config import Config
+from trainer.config import Config, RunDirError
 
 # Name parts that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
 # DDP). FSDP2 adds none, but vLLM's load_weights must never see them whatever wrapped the model.
@@ -96,6 +99,29 @@ def gather_lists(items: list, world: int, every: int = 1) -> list:
     boxes: list = [None] * world
     faults.collective(dist.all_gather_object, boxes, items)
     return [x for k, box in enumerate(boxes) if k % every == 0 for x in box]
+
+
+def process_layout(rank: int, device: torch.device) -> dict:
+    """Where this process runs, from the launcher's variables: rank, host, the machine's index
+    (GROUP_RANK: torchrun's node rank, accelerate's --machine_rank), its rank on that machine and
+    how many training processes share the machine (LOCAL_WORLD_SIZE: what the per-host settings,
+    e.g. the engines' share of a CPU host's KV cache, divide by). train.py writes every rank's
+    into the run's processes.json, so a several-machine launch can be checked after the fact."""
+    env = os.environ
+    return {"rank": rank, "host": socket.gethostname(), "machine": int(env.get("GROUP_RANK", "0")),
+            "local_rank": int(env.get("LOCAL_RANK", "0")), "local_world_size": int(env.get("LOCAL_WORLD_SIZE", "1")),
+            "device": str(device)}  # fmt: skip
+
+
+def check_shared_run_dir(run: Path, rank: int) -> None:
+    """Several machines share one run: rank 0 makes the run directory and writes the metrics,
+    samples and full weights; every rank writes its own optimizer shard into the same
+    checkpoint. A rank that cannot see rank 0's directory is on a machine without the shared
+    filesystem this needs: one line, before any model loads."""
+    if not run.is_dir():
+        raise RunDirError(f"rank {rank} on {socket.gethostname()} does not see the run directory {run} that rank 0 "
+                          "made: several machines need train.run_dir (and world.cache_dir) on a filesystem they all "
+                          "see (NFS or the like)")  # fmt: skip
 
 
 def is_main(rank: int) -> bool:
@@ -330,7 +356,16 @@ def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):
     so under FSDP it steps plain Parameters that share storage with each process's local shard:
     a pre-step hook hands them the shards of the gradients and the update lands in the shards in
     place (so the loop clears gradients with model.zero_grad(), which reaches the DTensors).
-    Each process keeps the 8-bit state of its shard."""
+    Each process keeps the 8-bit state of its shard.
+
+    The shards are looked up again before every step: FSDP2 may give a parameter new local storage
+    after the optimizer was made (`reset_sharded_param` at the first forward re-pads an uneven
+    shard, e.g. 701 rows over 2 ranks, or re-pins it for offload, when its storage changed, as a
+    `load_state_dict(assign=True)` does), and an optimizer holding the old storage would step a
+    stale copy while the model never moves. torch 2.13 keeps unchanged storage in place
+    (fsdp_param.py, `same_local_tensor`); tests/test_fsdp.py's adamw8bit case has uneven shards
+    and checks that the optimizer's shards are the model's after the step and that every weight
+    moved."""
     params = list(params)
     if kind != "adamw8bit":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -343,6 +378,9 @@ def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):
 
     def take_gradients(*_):
         for p, s in zip(params, shards):
+            local = p.to_local()
+            if s.data_ptr() != local.data_ptr() or s.shape != local.shape:  # FSDP gave the shard new storage
+                s.data = local.detach()
             s.grad = None if p.grad is None else p.grad.to_local()
 
     def drop_gradients(*_):  # the parameters' own gradients: model.zero_grad() before the next step
@@ -381,6 +419,50 @@ def clip_grad_norm(module, max_norm: float, exact: bool = False, world: int = 1)
         for g in grads:
             g.mul_(coef)
     return norm
+
+
+def load_from_rank0(model, path: Path, rank: int, world: int, cfg: Config, chunk_bytes: int = 256 << 20) -> None:
+    """Fill a sharded model built on the meta device (engine.empty_policy, then shard) with the
+    checkpoint at `path`: each process allocates only its shards (to_empty), rank 0 reads the
+    safetensors files `chunk_bytes` at a time and broadcasts them tensor by tensor, and each
+    process keeps its slice (torch's set_model_state_dict, broadcast_from_rank0; verl's
+    meta-device init does the same). Loading 7B on 8 ranks: one read of the checkpoint instead of
+    8, and no process holds more than its shards and one chunk (README, "Loading on the box").
+    The buffers (rotary frequencies), computed when the model was built, stay where fully_shard
+    put them."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    files = sorted(Path(path).glob("*.safetensors"))  # model.safetensors, or model-0000k-of-0000n
+    if not files:
+        raise FileNotFoundError(f"no weights in {path} (expected model.safetensors)")
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    on_host = cfg.train.cpu_offload or not torch.cuda.is_available()
+    model.to_empty(device="cpu" if on_host else torch.device("cuda", torch.cuda.current_device()))
+    for module, name, b in buffers:  # to_empty emptied them too
+        module._buffers[name] = b
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    loaded: set[str] = set()
+    for file in files:
+        chunks: list[list[str]] = [[]]  # rank 0 reads the header and cuts the file's tensors into chunks
+        if rank == 0:
+            with safe_open(str(file), "pt") as f:
+                size = 0
+                for key in f.keys():
+                    shape = f.get_slice(key).get_shape()
+                    nbytes = math.prod(shape) * 4  # at most 4 bytes a value
+                    if chunks[-1] and size + nbytes > chunk_bytes:
+                        chunks.append([])
+                        size = 0
+                    chunks[-1].append(key)
+                    size += nbytes
+        with safe_open(str(file), "pt") if rank == 0 else contextlib.nullcontext() as f:
+            for keys in broadcast(chunks, world):
+                set_model_state_dict(model, {k: f.get_tensor(k) for k in keys} if rank == 0 else {}, options=options)
+                loaded |= set(keys)
+    missing = {plain_name(n) for n, _ in model.named_parameters()} - loaded  # a tied lm_head is named once
+    if missing:
+        raise FileNotFoundError(f"{path}: no weights for {', '.join(sorted(missing)[:3])} ({len(missing)} in all)")
 
 
 def shard_reference(ref_model, cfg: Config):

@@ -94,6 +94,23 @@ def load_policy(path: str | Path, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
 
 
+def empty_policy(path: str | Path, dtype: str = "float32"):
+    """load_policy's model without its weights: every parameter on the meta device (no memory),
+    the buffers (rotary frequencies) computed as usual. For several processes: each shards it and
+    takes its slice of rank 0's read (distributed.load_from_rank0), so no process but rank 0
+    reads the checkpoint, and none holds the whole model."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {path} (expected {path / 'config.json'})")
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=getattr(torch, dtype))
+    model.tie_weights()  # transformers 5.17 ties them in from_pretrained, not in a meta build
+    return model
+
+
 # Set by accelerate/torchrun; a child that inherits them may try to join the trainer's group.
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP")  # fmt: skip
@@ -130,7 +147,7 @@ def cpu_kv_cache_size(fraction: float) -> dict:
         return {}
     import psutil
 
-    engines = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    engines = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # before vLLM CPU sets it to its TP size
     return {"kv_cache_memory_bytes": int(fraction / engines * psutil.virtual_memory().total)}
 
 
@@ -180,6 +197,7 @@ class VLLMEngine:
             )
         self.separate_process = separate_process
         kv_cache = cpu_kv_cache_size(cfg.gpu_memory_utilization)  # before the launcher's variables are hidden
+        self.kv_cache_bytes = kv_cache.get("kv_cache_memory_bytes")  # None on a GPU: vLLM sizes it there
         saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ} if separate_process else {}
         if separate_process and torch.cuda.is_available():  # the spawned engine core: this process's GPU only
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -380,6 +398,8 @@ class SeededSampler(LogitsProcessor):
 
 class HFEngine:
     """transformers `generate` (batched, left-padded, KV cache) behind the same interface."""
+
+    kv_cache_bytes = None  # generate's cache grows with the batch: nothing reserved
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int = 0):
         self.tokenizer = load_tokenizer(model_dir)
