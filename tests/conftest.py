@@ -4,6 +4,7 @@ vLLM CPU must start before bm25s/numba is imported in this process (DESIGN.md §
 collected test uses `vllm_engine`, the engine is therefore started first, before any test runs.
 """
 
+import fcntl
 import http.server
 import os
 import socket
@@ -46,18 +47,32 @@ def write_micro_config(path: Path, cache_dir: Path, **sections) -> Path:
     return path
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` (30 s to 4 min alone: whole training runs, several processes) run
+    first, in their files' order: under `-n 2` (the README's command) a long test that started
+    last would run alone at the end while the other worker idles. Each marked test uses only
+    session and function fixtures, so moving it rebuilds no module fixture."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+
+
 @pytest.fixture(scope="session")
 def micro(tmp_path_factory):
     """(config path, config, policy dir, world dir) of a built micro world."""
     from tiny.world import world_dir
     from trainer.config import load_config
 
-    base = tmp_path_factory.mktemp("micro")
+    # pytest-xdist: the workers share one build (the first builds it, the others wait for the lock
+    # and find it cached); without xdist, the session's own temporary directory
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    base = shared / "micro" if shared else tmp_path_factory.mktemp("micro")
+    base.mkdir(exist_ok=True)
     # MICRO_CACHE=/some/dir reuses a micro world built there before (faster local reruns);
     # CI leaves it unset and builds from nothing.
     cache = Path(os.environ["MICRO_CACHE"]) if os.environ.get("MICRO_CACHE") else base / "cache"
-    path = write_micro_config(base / "micro.yaml", cache)
-    subprocess.run([sys.executable, "-m", "tiny.sft", "--config", str(path)], check=True, cwd=ROOT)
+    with open(base / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = write_micro_config(base / "micro.yaml", cache)
+        subprocess.run([sys.executable, "-m", "tiny.sft", "--config", str(path)], check=True, cwd=ROOT)
     cfg = load_config(path)
     return path, cfg, world_dir(cfg) / "policy", world_dir(cfg)
 

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, free_port, write_micro_config
 from test_train_e2e import _close, _metric_rows
 
@@ -63,6 +64,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 300) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_retriever_outage_nan_reward_and_truncated_checkpoint_then_resume_matches(micro, tmp_path):
     _, cfg, _, world = micro
     index = world / "index-bm25"

@@ -337,6 +337,7 @@ def launch_two() -> list[str]:
             "--main_process_port", str(free_port()), "train.py"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_two_process_training_run_matches_one_process_and_resumes(micro, tmp_path):
     """train.py itself under a 2-process launch (each rank rolls out half the questions with its
@@ -402,6 +403,7 @@ def launch_machines(args: list[str], logs: Path, machines: int = 2) -> list[subp
     return procs
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_two_machines_on_loopback_with_vllm_match_one_process_and_resume_as_one_machine(micro, tmp_path):
     """PPO with rollout.engine: vllm, launched as 2 machines of one process each on 127.0.0.1
@@ -511,6 +513,7 @@ def test_two_machines_on_loopback_with_vllm_match_one_process_and_resume_as_one_
     assert moved > 0  # the policy took its steps: the weights comparison is not vacuous
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 @pytest.mark.parametrize("tp", [1, 2])
 def test_every_rank_engine_matches_the_trainer_after_an_in_memory_sync(micro, tmp_path, tp):

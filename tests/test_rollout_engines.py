@@ -109,6 +109,7 @@ def test_weight_sync_makes_vllm_match_the_trainer(vllm_engine, micro):
     check_weight_sync(vllm_engine, micro[2])
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_file_weight_sync_to_an_engine_in_its_own_process(micro):
     """rollout.weight_sync: file, the fallback: vLLM's engine in a spawned process, the weights

@@ -325,6 +325,7 @@ MICRO_PAPERS = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     import os
 
@@ -394,6 +395,7 @@ def test_protocol_teachers_write_valid_trajectories_through_the_rollout_loop(ext
         assert all(r["reward"] > -1 for r in scored)  # no format failure in the paper's own reward
 
 
+@pytest.mark.slow
 def test_a_protocol_world_builds_and_trains_end_to_end(tmp_path):
     """World -> deliberative teacher through rollout.py -> tokenizer with the protocol's tags ->
     SFT -> one GRPO step with vLLM, search + read tools and the deliberative reward (a smoke

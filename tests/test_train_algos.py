@@ -30,6 +30,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_ppo_rft_and_bapo_loops_train_and_checkpoint(micro, tmp_path):
     procs = {}

@@ -37,6 +37,7 @@ def _close(a, b, key=""):
         assert a == b, (key, a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_killed_run_resumes_exactly(micro, tmp_path):
     """Kill a run after step 2's checkpoint, resume it: steps 3-5 match an uninterrupted run to
@@ -117,6 +118,7 @@ def test_empty_question_is_a_clear_error(micro, tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_fork_recipe_trains(micro, tmp_path):
     """The README's fork recipe, copied from the README as written, trains for two steps."""
     readme = (ROOT / "README.md").read_text()
