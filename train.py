@@ -104,6 +104,7 @@ from trainer.distributed import (
     shard,
     shard_critic,
     shard_reference,
+    trainer_threads,
 )
 from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engine
 from trainer.faults import Interrupted, stop_on_signals, stopped_answering, wait_for_main
@@ -294,7 +295,9 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     if lora_on and world > 1:
         raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
     torch.manual_seed(cfg.train.seed)
-    torch.set_num_threads(cfg.train.threads)
+    threads = trainer_threads(cfg.train.threads, cfg.train.cpu_offload, device.type == "cuda",
+                              len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # fmt: skip
+    torch.set_num_threads(threads)
     constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
     if cfg.data.corpus or cfg.data.train:
         data_paths(cfg)  # given files: fail on a bad path before building anything
@@ -327,7 +330,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     layout = gather_lists([here | where], world)
     if rank == 0:  # which rank ran where: a several-machine launch, checked after the fact
         (run / "processes.json").write_text(json.dumps(layout, indent=1))
-    torch.set_num_threads(cfg.train.threads)  # vLLM's GPU worker drops torch to 1 thread "for serving"
+    torch.set_num_threads(threads)  # vLLM's GPU worker drops torch to 1 thread "for serving"
     model, ref, critic = load_models(cfg, run, start_dir, resume_from, device, rank, world)
     trainable = [q for q in model.parameters() if q.requires_grad]  # all of them, or LoRA's adapters
     optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
@@ -461,7 +464,9 @@ def sync_stage(p: RunParts) -> None:
     if p.cfg.train.lora_rank > 0:
         weights = merged_weights(p.model)
     else:
-        weights = full_weights(p.model, p.rank, every_rank=True) if p.world > 1 else p.model.state_dict().items()
+        engine_dtype = getattr(torch, p.cfg.model.dtype, None)  # bf16 on the box: gathered in bf16
+        weights = (full_weights(p.model, p.rank, every_rank=True, dtype=engine_dtype) if p.world > 1
+                   else p.model.state_dict().items())  # fmt: skip
     p.engine.load_weights(weights)
 
 

@@ -67,14 +67,19 @@ def micro_world() -> tuple[Path, Path]:
     subprocess.run([sys.executable, "-m", "tiny.sft", "--config", str(config)], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     world = world_dir(load_config(config))
-    chat = WORK / "policy-chat"
+    return world, chat_policy(world, WORK)
+
+
+def chat_policy(world: Path, work: Path) -> Path:
+    """A copy of the world's policy with a ChatML template (for the configs that use one)."""
+    chat = work / "policy-chat"
     if not (chat / "DONE").is_file():
         shutil.rmtree(chat, ignore_errors=True)
         shutil.copytree(world / "policy", chat)
         tok = json.loads((chat / "tokenizer_config.json").read_text())
         (chat / "tokenizer_config.json").write_text(json.dumps(tok | {"chat_template": CHATML}))
         (chat / "DONE").write_text("ok\n")
-    return world, chat
+    return chat
 
 
 def size_overrides(name: str, world: Path, policy: Path) -> list[str]:
@@ -105,16 +110,17 @@ def launch(args: list[str]) -> tuple[int, str, float]:
     return done.returncode, done.stdout[-3000:] + done.stderr[-3000:], time.time() - t0
 
 
-def rehearse(name: str, world: Path, chat_policy: Path) -> dict:
+def rehearse(name: str, world: Path, chat: Path, work: Path = WORK) -> dict:
+    """Config `name`: 2 steps in 2 processes, then a resume for a third; runs go under work/runs."""
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
-    policy = chat_policy if cfg.rollout.chat_template else world / "policy"
+    policy = chat if cfg.rollout.chat_template else world / "policy"
     sets = size_overrides(name, world, policy)
     flags = {k: getattr(cfg.train, k) for k in ("algo", "bf16", "cpu_offload", "grad_checkpointing", "optimizer",
                                                  "kl_coef", "epochs", "mini_batches", "reward")}  # fmt: skip
     print(f"\n{name}: its flags {flags}, rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size}")
     print(f"  sizes overridden: {' '.join(sets)}")
     print(f"  skipped: {'; '.join(f'{k} ({v})' for k, v in SKIPPED.items())}")
-    run_dir = WORK / "runs" / name
+    run_dir = work / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     rc, log, seconds = launch(["--config", f"configs/{name}.yaml",
                                *sum((["--set", s] for s in [*sets, f"train.run_dir={run_dir}"]), [])])  # fmt: skip

@@ -47,14 +47,6 @@ def write_micro_config(path: Path, cache_dir: Path, **sections) -> Path:
     return path
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked `slow` (30 s to 4 min alone: whole training runs, several processes) run
-    first, in their files' order: under `-n 2` (the README's command) a long test that started
-    last would run alone at the end while the other worker idles. Each marked test uses only
-    session and function fixtures, so moving it rebuilds no module fixture."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
-
-
 @pytest.fixture(scope="session")
 def micro(tmp_path_factory):
     """(config path, config, policy dir, world dir) of a built micro world."""

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -81,6 +82,10 @@ def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int,
     out = Path(spec["out"])
     if first:
         distributed.save_full_state(model, out / "initial.safetensors", rank)
+        # the sync for a bf16 engine: each shard cast before its gather
+        bf16 = {n: t.cpu().clone() for n, t in distributed.full_weights(model, rank, dtype=torch.bfloat16)}
+        if distributed.is_main(rank):
+            save_file(bf16, str(out / "initial.bf16.safetensors"))
     optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     counted = count_no_grad_tokens(model, ref)
     t0 = time.time()

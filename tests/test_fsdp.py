@@ -295,6 +295,11 @@ def test_full_weights_equal_single_process_state_dict(runs):
     assert sorted(gathered) == sorted(state)  # the same names: no FSDP prefixes
     # exact: sharding and gathering copy the bits; no arithmetic touches them
     assert_equal_bits(gathered, state, what="gathered initial weights")
+    # gathered in bf16 (each shard cast first, for a bf16 engine): the fp32 gather's own cast,
+    # bit for bit (round to nearest even, element by element)
+    half = load_file(str(fsdp / "initial.bf16.safetensors"))
+    assert {t.dtype for t in half.values()} == {torch.bfloat16}
+    assert_equal_bits(half, {n: t.to(torch.bfloat16) for n, t in gathered.items()}, what="bf16 gather")
 
 
 def test_each_process_forwards_about_half_of_the_no_grad_tokens(runs):

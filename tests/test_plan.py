@@ -189,3 +189,15 @@ def test_one_gpu_keeps_everything_on_the_gpu_whatever_cpu_offload_says(tmp_path)
     eight = memory_plan(qwen7b(tmp_path, "train.cpu_offload=true"))
     assert eight["gpu"]["policy_optimizer"] == 0.0 and eight["host"]["policy_optimizer"] > 0
     assert not one["train_fits"]  # 7B's fp32 state alone is over 80 GB
+
+
+def test_offloaded_optimizer_gets_the_process_share_of_the_host_cores():
+    """Issue 33, item 10: under cpu_offload on GPUs AdamW steps the fp32 master weights on the host,
+    so each of 8 processes on a 96-core host takes 12 threads, not train.threads' 2; without a GPU
+    (these tests, where the processes share 2 cores) or without offload, train.threads stands."""
+    from trainer.distributed import trainer_threads
+
+    assert trainer_threads(2, cpu_offload=True, cuda=True, cpus=96, local_world_size=8) == 12
+    assert trainer_threads(2, cpu_offload=True, cuda=False, cpus=96, local_world_size=8) == 2
+    assert trainer_threads(2, cpu_offload=False, cuda=True, cpus=96, local_world_size=8) == 2
+    assert trainer_threads(16, cpu_offload=True, cuda=True, cpus=96, local_world_size=8) == 16

@@ -113,6 +113,19 @@ def process_layout(rank: int, device: torch.device) -> dict:
             "device": str(device)}  # fmt: skip
 
 
+def trainer_threads(threads: int, cpu_offload: bool, cuda: bool, cpus: int, local_world_size: int) -> int:
+    """torch's CPU threads in a training process: train.threads, except under cpu_offload on
+    GPUs, where AdamW steps the fp32 master weights on the host (7B over 8 GPUs: 0.9B parameters
+    per process, each step reading and writing ~16 bytes of each) and 2 threads would leave the
+    host's other cores idle while the GPUs wait: then at least this process's share of the cores
+    it may run on.
+
+    >>> trainer_threads(2, True, True, 96, 8), trainer_threads(2, True, False, 96, 8)
+    (12, 2)
+    """
+    return max(threads, cpus // max(local_world_size, 1)) if cpu_offload and cuda else threads
+
+
 def check_shared_run_dir(run: Path, rank: int) -> None:
     """Several machines share one run: rank 0 makes the run directory and writes the metrics,
     samples and full weights; every rank writes its own optimizer shard into the same
@@ -483,7 +496,8 @@ def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
-def full_weights(model, rank: int = 0, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def full_weights(model, rank: int = 0, every_rank: bool = False,
+                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """(name, full tensor) for every entry of the model's state dict, for `engine.load_weights`
     or a checkpoint. Each sharded tensor is all-gathered on its own, so at most one full
     parameter exists beside the shards, never a second copy of the model.
@@ -492,9 +506,16 @@ def full_weights(model, rank: int = 0, every_rank: bool = False) -> Iterator[tup
     ranks get nothing, but EVERY rank must run the loop to its end (the all-gathers are
     collectives: a rank that stops early hangs the others). Names are the plain Hugging Face
     ones, the same keys as `model.state_dict()` of an unsharded model (tied weights appear
-    under both names, as there)."""
+    under both names, as there, and are gathered twice: vLLM's layerwise reload needs
+    lm_head.weight too, measured: without it the engine's logprobs stayed ~1 nat off after a
+    sync, and keeping the first gather for it would hold a full embedding, 2.2 GB in fp32 for
+    7B, through the whole sync). `dtype` (the engine's, e.g. bfloat16): each
+    shard is cast before its gather, which then moves half the bytes of the fp32 master weights;
+    the rounding is per element, so the engine gets the bits its own cast would give."""
     for name, tensor in model.state_dict().items():  # DTensor views of the local shards: no copy
         if hasattr(tensor, "full_tensor"):
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)  # the local shard only: elementwise
             if tensor.device.type != tensor.device_mesh.device_type:  # cpu_offload on GPUs: NCCL wants GPU tensors
                 tensor = tensor.to(tensor.device_mesh.device_type)
             tensor = tensor.full_tensor()

@@ -305,6 +305,10 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
+        # Level 1 copies the weights to host RAM and back at each step although the sync then
+        # overwrites them all; level 2 would drop them instead (the faster path, issue 33 item 10).
+        # Kept at 1 until it runs on a GPU: level 2's wake has had weight-shape bugs (vLLM #16564),
+        # and sleep mode cannot run here (CUDA/ROCm only)
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True

@@ -281,8 +281,10 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
     lengths = [len(seqs[i]["ids"]) for i in mini]
     runs = balanced_micro_batches(mini, lengths, tcfg.micro_batch_tokens, rank, world, tcfg.exact_grad_sum)
     model.zero_grad(set_to_none=True)  # not optimizer's: see make_optimizer
-    sums = torch.zeros(4, dtype=torch.float64)  # loss, kl, clipped, entropy: sums over policy tokens
-    gap = torch.zeros(())  # max |log pi_trainer - log pi_engine| over sampled tokens
+    # kept on the compute device and read once after the loop: a float() per micro-batch would
+    # wait for the GPU at every micro-batch (the same float64 sums of the same float32 terms)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, kl, clipped, entropy over policy tokens
+    gap = torch.zeros((), device=device)  # max |log pi_trainer - log pi_engine| over sampled tokens
     for idx, real in accumulating(model, runs, tcfg.exact_grad_sum, world):
         width = max(len(seqs[i]["ids"]) for i in idx)
         ids, attn, _ = pad_batch([seqs[i]["ids"] for i in idx], [[0] for _ in idx], pad_id)
@@ -302,7 +304,7 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         # ablation they are trained on-policy: old = current (ratio 1, gradient of logp).
         old_logp = torch.where(sampled > 0, pad_rows([old[i] for i in idx], width - 1).to(device), logp.detach())
         engine_logp = pad_rows([seqs[i]["engine_logp"] for i in idx], width - 1).to(device)
-        gap = torch.maximum(gap, ((logp.detach() - engine_logp).abs() * sampled).max().cpu())
+        gap = torch.maximum(gap, ((logp.detach() - engine_logp).abs() * sampled).max())
         ref_logp = pad_rows([ref[i] for i in idx], width - 1).to(device) if ref is not None else None
         adv = pad_rows([seqs[i]["adv"] for i in idx], width - 1).to(device)
         tok_loss, kl, clipped = grpo_token_loss(
@@ -312,9 +314,8 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         loss = ((tok_loss - tcfg.entropy_coef * entropy) * m * w).sum()
         loss.backward()
         with torch.no_grad():
-            for j, value in enumerate((tok_loss, kl, clipped, entropy)):
-                sums[j] += float((value * m).sum()) * real
-    sums, gap = all_reduce(sums, world, "sum"), all_reduce(gap, world, "max")
+            sums += torch.stack([(value * m).sum().double() for value in (tok_loss, kl, clipped, entropy)]) * real
+    sums, gap = all_reduce(sums.cpu(), world, "sum"), all_reduce(gap.cpu(), world, "max")
     ensure_finite(model, float(sums[0]), "loss")  # summed over every process: each rank raises alike
     grad_norm = clip_grad_norm(model, tcfg.grad_clip, tcfg.exact_grad_sum, world)
     ensure_finite(model, grad_norm, "gradient norm")

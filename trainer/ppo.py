@@ -293,7 +293,8 @@ def critic_step(
     device = compute_device(critic)  # the GPU, also when FSDP offloads the critic to the host
     critic.train()
     optimizer.zero_grad(set_to_none=True)
-    totals = torch.zeros(3, dtype=torch.float64)  # value_loss, value_clip_frac, value_mean
+    # on the device, read once after the loop (no host sync per micro-batch; grpo._policy_update)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # value_loss, value_clip_frac, value_mean
     for idx, real in accumulating(critic, runs, exact, world):
         ids, attn, _ = pad_batch([seqs[i] for i in idx], [[] for _ in idx], pad_id)
         width = ids.shape[1] - 1
@@ -304,9 +305,8 @@ def critic_step(
         loss, clipped = _value_loss_terms(values, old, ret, cfg_clip)
         ((loss * m).sum() / n_tokens * real).backward()
         with torch.no_grad():
-            for j, x in enumerate((loss, clipped, values)):
-                totals[j] += float((x * m).sum() / n_tokens) * real
-    totals = all_reduce(totals, world, "sum")
+            totals += torch.stack([((x * m).sum() / n_tokens).double() for x in (loss, clipped, values)]) * real
+    totals = all_reduce(totals.cpu(), world, "sum")
     ensure_finite(critic, float(totals[0]), "value loss")
     grad_norm = clip_grad_norm(critic, grad_clip, exact, world)
     ensure_finite(critic, grad_norm, "critic gradient norm")
