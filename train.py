@@ -295,8 +295,11 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     if lora_on and world > 1:
         raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
     torch.manual_seed(cfg.train.seed)
+    # read before the engine starts: vLLM CPU sets LOCAL_WORLD_SIZE to its tensor-parallel size
+    # in this process (vllm/platforms/cpu.py), which a 2-process launch then reads as 1
+    here = process_layout(rank, device)
     threads = trainer_threads(cfg.train.threads, cfg.train.cpu_offload, device.type == "cuda",
-                              len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # fmt: skip
+                              len(os.sched_getaffinity(0)), here["local_world_size"])  # fmt: skip
     torch.set_num_threads(threads)
     constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
     if cfg.data.corpus or cfg.data.train:
@@ -312,9 +315,6 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     for questions, kind in ((train_q, "train"), (val_q, "val")):  # a prompt too long for the engine: refused here
         check_prompt_lengths(questions, tokenizer, cfg.rollout, paths[kind])
     timings: dict[str, float] = {}
-    # read before the engine starts: vLLM CPU sets LOCAL_WORLD_SIZE to its tensor-parallel size
-    # in this process (vllm/platforms/cpu.py), which a 2-process launch then reads as 1
-    here = process_layout(rank, device)
     before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     # an engine per process (per tensor-parallel group): vLLM's external_launcher joins the
     # launcher's processes; "file": each engine in a process of its own (trainer/engine.py)
@@ -363,6 +363,21 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     return p
 
 
+def sharded_policy_and_reference(cfg: Config, policy_dir: Path, ref_dir: Path | None, rank: int,
+                                 world: int) -> tuple:  # fmt: skip
+    """Several processes: the fp32 policy (with its memory savers) and the model.dtype reference
+    (None without ref_dir), each built on the meta device and sharded, then filled from rank 0's
+    read of its checkpoint: no process holds the whole fp32 policy (7B: 28 GB) in host RAM or
+    beside vLLM's share of its GPU (README, "Loading on the box")."""
+    model = shard(memory_savers(empty_policy(policy_dir).eval(), cfg), cfg)
+    load_from_rank0(model, policy_dir, rank, world, cfg)
+    ref = None
+    if ref_dir is not None:
+        ref = shard_reference(empty_policy(ref_dir, cfg.model.dtype), cfg)
+        load_from_rank0(ref, ref_dir, rank, world, cfg)
+    return model, ref
+
+
 def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | None, device, rank: int,
                 world: int) -> tuple:  # fmt: skip
     """(policy, frozen reference or None, critic or None), on this process's device, sharded
@@ -372,14 +387,7 @@ def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | Non
     ref_dir = (ensure_policy(cfg, run) if resume_from else start_dir) if needs_reference(cfg) else None
     ref = None
     if world > 1:
-        # Several processes: built on the meta device and sharded, then rank 0 reads the checkpoint
-        # and each process keeps its slice: no process holds the whole fp32 policy (7B: 28 GB) in
-        # host RAM or beside vLLM's share of its GPU (README, "Loading on the box")
-        model = shard(memory_savers(empty_policy(start_dir).eval(), cfg), cfg)
-        load_from_rank0(model, start_dir, rank, world, cfg)
-        if ref_dir is not None:
-            ref = shard_reference(empty_policy(ref_dir, cfg.model.dtype), cfg)
-            load_from_rank0(ref, ref_dir, rank, world, cfg)
+        model, ref = sharded_policy_and_reference(cfg, start_dir, ref_dir, rank, world)
     else:
         # LoRA resume: the adapters sit on the ORIGINAL base; the checkpoint's model.safetensors is merged
         model = memory_savers(load_policy(ensure_policy(cfg, run) if lora_on and resume_from else start_dir).eval(),

@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_memory import current_rss, ensure_model, load_average  # noqa: E402
 
+from train import sharded_policy_and_reference  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.engine import empty_policy, load_policy  # noqa: E402
+from trainer.engine import load_policy  # noqa: E402
 from trainer.grpo import memory_savers  # noqa: E402
 
 GB = 1e9
@@ -86,10 +87,7 @@ def child(path: str, model_dir: Path) -> None:
         model = distributed.shard(memory_savers(load_policy(model_dir).eval(), cfg), cfg)
         ref = distributed.shard_reference(load_policy(model_dir, cfg.model.dtype), cfg)
     else:
-        model = distributed.shard(memory_savers(empty_policy(model_dir).eval(), cfg), cfg)
-        distributed.load_from_rank0(model, model_dir, rank, world, cfg)
-        ref = distributed.shard_reference(empty_policy(model_dir, cfg.model.dtype), cfg)
-        distributed.load_from_rank0(ref, model_dir, rank, world, cfg)
+        model, ref = sharded_policy_and_reference(cfg, model_dir, model_dir, rank, world)
     peak, after = vm_hwm(), current_rss()
     stop.set()
     sampler.join()

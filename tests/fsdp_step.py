@@ -27,10 +27,10 @@ from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train import make_optimizer
+from train import make_optimizer, sharded_policy_and_reference
 from trainer import distributed  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.engine import empty_policy, load_policy  # noqa: E402
+from trainer.engine import load_policy  # noqa: E402
 from trainer.grpo import grpo_step, memory_savers  # noqa: E402
 from trainer.ppo import critic_optimizer, critic_step, critic_values, load_critic  # noqa: E402
 
@@ -68,17 +68,13 @@ def count_no_grad_tokens(model, ref) -> dict:
 def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int, first: bool) -> dict:
     cfg = load_config(None, case["overrides"])
     sharded = cfg.train.fsdp and world > 1
-    ref = None
+    needs_ref = distributed.needs_reference(cfg)
     if sharded:  # as train.py: built on the meta device, sharded, filled from rank 0's read
-        model = distributed.shard(memory_savers(empty_policy(spec["model"]).eval(), cfg), cfg)
-        distributed.load_from_rank0(model, Path(spec["model"]), rank, world, cfg)
-        if distributed.needs_reference(cfg):
-            ref = distributed.shard_reference(empty_policy(spec["model"]), cfg)
-            distributed.load_from_rank0(ref, Path(spec["model"]), rank, world, cfg)
+        model_dir = Path(spec["model"])
+        model, ref = sharded_policy_and_reference(cfg, model_dir, model_dir if needs_ref else None, rank, world)
     else:
         model = memory_savers(load_policy(spec["model"]).eval(), cfg)
-        if distributed.needs_reference(cfg):
-            ref = load_policy(spec["model"]).eval().requires_grad_(False)
+        ref = load_policy(spec["model"], cfg.model.dtype).eval().requires_grad_(False) if needs_ref else None
     out = Path(spec["out"])
     if first:
         distributed.save_full_state(model, out / "initial.safetensors", rank)
