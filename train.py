@@ -107,7 +107,14 @@ from trainer.distributed import (
     trainer_threads,
 )
 from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engine
-from trainer.faults import Interrupted, stop_on_signals, stopped_answering, wait_for_main
+from trainer.faults import (
+    Interrupted,
+    interrupted,
+    raise_if_interrupted,
+    stop_on_signals,
+    stopped_answering,
+    wait_for_main,
+)
 from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, memory_savers, rft_select, rft_step
 from trainer.lora import add_lora, load_lora, merged_weights
 from trainer.plan import print_plan
@@ -239,6 +246,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     bar = tqdm(range(p.step0, cfg.train.steps), desc=cfg.train.algo, initial=p.step0, total=cfg.train.steps,
                disable=not p.main)  # fmt: skip
     for step in bar:
+        raise_if_interrupted()  # a Ctrl-C whose first raise a __del__ swallowed (faults.stop_on_signals)
         p.timings.clear()
         for group in p.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -629,6 +637,8 @@ def main(argv: list[str] | None = None) -> None:
     except (DataError, FileNotFoundError, ConfigError, RunDirError, TrainingFault, RetrieverError) as e:
         sys.exit(f"error: {e}")  # RunDirError: disk full; TrainingFault: a NaN, a rank that stopped answering
     except RuntimeError as e:  # a collective inside FSDP that timed out: the rank that stopped answering
+        if (stop := interrupted()) is not None:
+            stopped(stop)  # the other ranks left that collective for the same signal
         if (fault := stopped_answering(e)) is None:
             raise
         sys.exit(f"error: {fault}. {resume_hint(run)}")

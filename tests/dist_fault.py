@@ -6,7 +6,8 @@ MODE "sleep": rank 1 sleeps instead of joining the next collective; "stop": rank
 with SIGSTOP; "raw": rank 1 sleeps and rank 0 waits in a bare torch collective (as FSDP's are),
 whose error is turned into the line as train.py's main() does. Every rank prints "waiting <unix
 time>" first; rank 0 must then exit 1 within TIMEOUT seconds, saying "error: rank 1 stopped
-answering ...". MODE "slow_main": rank 0 works for TIMEOUT + 3 s, the others wait in
+answering ...". MODE "exit": rank 1 exits instead, and rank 0 says "error: rank 1 exited
+during a collective ...". MODE "slow_main": rank 0 works for TIMEOUT + 3 s, the others wait in
 faults.wait_for_main; all print "world 2". MODE "launch": print "world <N>" after
 distributed.init(), or its error."""
 
@@ -47,6 +48,8 @@ def main() -> None:
     distributed.barrier(world)
     print(f"waiting {time.time()}", flush=True)
     if rank == 1:
+        if mode == "exit":
+            os._exit(3)
         if mode == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)

@@ -150,7 +150,9 @@ def test_client_gives_up_at_its_timeout_in_one_line_with_the_real_figures():
     with raw_server(canned(b"<html>\n<h1>502 Bad Gateway</h1>\n</html>\n", 502)) as down:
         with pytest.raises(RetrieverError) as e:
             open_search(RetrieverConfig(url=down, timeout=3.0, retries=0))(["born"], 3)
-    assert time.monotonic() - t < 1.0
+    spent = time.monotonic() - t
+    assert spent < 1.0  # one attempt, no back-off: a busy CI machine takes ~0.2 s, not the 3 s timeout
     assert "\n" not in str(e.value)
-    assert str(e.value).endswith("failed 1 attempt(s) in 0.0 s (timeout 3 s, retries 0); "
-                                 "last error: HTTP 502 <html> <h1>502 Bad Gateway</h1> </html>")  # fmt: skip
+    found = re.search(r"failed 1 attempt\(s\) in (\d+\.\d) s \(timeout 3 s, retries 0\); "
+                      r"last error: HTTP 502 <html> <h1>502 Bad Gateway</h1> </html>$", str(e.value))  # fmt: skip
+    assert found and float(found[1]) <= spent + 0.05, str(e.value)

@@ -32,6 +32,7 @@ from trainer.config import ConfigError, TrainingFault
 _timeout = 600.0
 _calls = 0
 _progress = None  # the store client (torch.distributed.TCPStore), or None if there is none to reach
+_interrupted = 0  # the signal that arrived (stop_on_signals), 0 if none: see raise_if_interrupted
 
 # Multi-CPU launches that give each process no RANK / WORLD_SIZE: the MPI's own process counts
 MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -86,12 +87,14 @@ def collective(run: Callable, *args):
     where this rank waited, instead of gloo's message that names no peer. (NCCL's own watchdog
     ends a process whose GPU collective times out, with its message, at the same timeout.)"""
     global _calls
+    raise_if_interrupted()  # not into a collective the interrupted ranks will never reach
     _calls += 1
     if _progress is not None:
         _progress.set(f"trainer/calls/{dist.get_rank()}", str(_calls))
     try:
         return run(*args)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
+        raise_if_interrupted()  # the others stopped for the same signal: not their fault
         fault = stopped_answering(e)
         if fault is None:
             raise
@@ -108,7 +111,8 @@ def stopped_answering(error: BaseException) -> TrainingFault | None:
     ranks whose count of collectives in the store is behind this rank's never got here."""
     text = str(error).lower()
     collective = "gloo" in text or isinstance(error, dist.DistBackendError)  # not, say, an HTTP timeout
-    if not (collective and ("timed out" in text or "timeout" in text)) or not dist.is_initialized():
+    gone = "closed by peer" in text or "reset by peer" in text  # the other process exited mid-collective
+    if not (collective and ("timed out" in text or "timeout" in text or gone)) or not dist.is_initialized():
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
     others = [r for r in range(world) if r != rank]
@@ -117,6 +121,9 @@ def stopped_answering(error: BaseException) -> TrainingFault | None:
         who = f"rank {late[0]}"
     else:
         who = f"ranks {', '.join(map(str, late))}" if late else f"one of ranks {', '.join(map(str, others))}"
+    if gone:  # its own log says why; this rank's traceback would only repeat gloo's message
+        return TrainingFault(f"{who} exited during a collective (its own log says why); "
+                             f"rank {rank} waited {_where(error)}")  # fmt: skip
     return TrainingFault(f"{who} stopped answering: no reply within train.dist_timeout={_timeout:g} s; "
                          f"rank {rank} waited {_where(error)}")  # fmt: skip
 
@@ -165,15 +172,44 @@ class Interrupted(BaseException):  # like KeyboardInterrupt: `except Exception` 
 
 def stop_on_signals() -> None:
     """SIGINT and SIGTERM raise Interrupted (one line and exit 128 + signal in main(), not a
-    traceback, nor a silent SIGTERM). A second one while the run unwinds exits at once, silently."""
+    traceback, nor a silent SIGTERM). A second one while the run unwinds exits at once, silently.
+
+    Python runs the handler wherever the main thread is, and an exception raised inside a
+    __del__ (a tokenizer's regex object being collected, say: seen in CI) is printed as
+    "Exception ignored in ..." with a traceback, and lost. So the signal is remembered, the
+    handler does not raise inside a __del__, and raise_if_interrupted, at every step and every
+    collective, raises it there (or again, after any other place that swallowed it)."""
 
     def stop(signum, frame):
+        global _interrupted
+        _interrupted = signum
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, lambda n, f: os._exit(128 + n))
-        raise Interrupted(signum)
+        if not _in_finalizer(frame):
+            raise Interrupted(signum)
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, stop)
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether the interrupted frame runs inside a __del__ (which would swallow an exception)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupted() -> Interrupted | None:
+    """The Interrupted of the signal that came (stop_on_signals), or None if none came."""
+    return Interrupted(_interrupted) if _interrupted else None
+
+
+def raise_if_interrupted() -> None:
+    """Interrupted, if a signal came: again, in case its first raise was swallowed."""
+    if (stop := interrupted()) is not None:
+        raise stop
 
 
 def wait_for_main(world: int, what: str) -> None:
