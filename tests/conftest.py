@@ -4,12 +4,18 @@ vLLM CPU must start before bm25s/numba is imported in this process (DESIGN.md §
 collected test uses `vllm_engine`, the engine is therefore started first, before any test runs.
 """
 
+import atexit
 import fcntl
 import http.server
+import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +127,54 @@ class RawReply(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The command-line scripts, run from a warm Python (tests/zygote.py): `python SCRIPT ARGS` in a
+# process of its own, without paying torch's and transformers' imports again for each call.
+
+_zygote: dict = {}  # the zygote process of this pytest process, and its replies read so far
+
+
+def run_script(
+    args: list[str], timeout: float = 300, env: dict | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """What `subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+    timeout=timeout, env=env, input=input)` gives (args: "train.py ..." or "-m trainer.plan
+    ..."), run in a child forked from tests/zygote.py: its own process, exit status, stdout and
+    stderr, with torch and transformers already imported (~5 s a call on 2 cores)."""
+    proc = _zygote.get("proc")
+    if proc is None or proc.poll() is not None:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, bufsize=0)  # fmt: skip
+        _zygote.update(proc=proc, buffer=b"")
+        atexit.register(proc.kill)
+    with tempfile.TemporaryDirectory(prefix="run-script-") as tmp:
+        paths = {name: os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")}
+        Path(paths["stdin"]).write_text(input or "")
+        call = {"argv": args, "cwd": str(ROOT), "env": dict(env if env is not None else os.environ)} | paths
+        proc.stdin.write((json.dumps(call) + "\n").encode())
+        deadline = time.monotonic() + timeout
+        pid = _reply(proc, deadline)["pid"]
+        try:
+            status = _reply(proc, deadline)["status"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            _reply(proc, time.monotonic() + 60)  # the zygote reaps it
+            raise subprocess.TimeoutExpired([sys.executable, *args], timeout) from None
+        out, err = (Path(paths[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
+    return subprocess.CompletedProcess([sys.executable, *args], status, out, err)
+
+
+def _reply(proc: subprocess.Popen, deadline: float) -> dict:
+    """The zygote's next reply line, or TimeoutExpired at the deadline."""
+    while b"\n" not in _zygote["buffer"]:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
+            raise RuntimeError(f"tests/zygote.py exited ({proc.wait()})")
+        _zygote["buffer"] += chunk
+    line, _zygote["buffer"] = _zygote["buffer"].split(b"\n", 1)
+    return json.loads(line)

@@ -11,12 +11,12 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 from safetensors.torch import save_file
 
 from trainer.checkpoint import (
@@ -76,8 +76,7 @@ def test_eval_cli_names_the_bad_line_before_any_engine(tmp_path):
     (model / "config.json").write_text("{}")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n{not json\n")
-    out = subprocess.run([sys.executable, "eval.py", "--model", str(model), "--datasets", str(bad)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = run_script(["eval.py", "--model", str(model), "--datasets", str(bad)], timeout=120)  # fmt: skip
     assert out.returncode == 2
     assert f"{bad}:3: not valid JSON" in one_error_line(out.stderr)
 
@@ -92,8 +91,7 @@ def test_train_cli_names_the_bad_line_before_any_model(tmp_path):
     bad.write_text(json.dumps(GOOD) + "\n" + '{"id": "q2", "question": "x", "golden_answers": ["y"]\n')
     sets = [f"model.path={model}", f"data.corpus={corpus}", f"data.train={bad}", f"data.val={val}",
             f"train.run_dir={tmp_path / 'runs'}", "rollout.engine=hf"]  # fmt: skip
-    out = subprocess.run([sys.executable, "train.py", *[a for s in sets for a in ("--set", s)]], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = run_script(["train.py", *[a for s in sets for a in ("--set", s)]], timeout=300)  # fmt: skip
     assert out.returncode == 1
     assert one_error_line(out.stderr).startswith(f"error: {bad}:2: not valid JSON")
 
@@ -104,8 +102,7 @@ def _byo_run(tmp_path, model: Path, *extra: str) -> subprocess.CompletedProcess:
     qs.write_text(json.dumps(GOOD) + "\n")
     sets = [f"model.path={model}", f"data.corpus={corpus}", f"data.train={qs}", f"data.val={qs}",
             f"train.run_dir={tmp_path / 'runs'}", "rollout.engine=hf", *extra]  # fmt: skip
-    return subprocess.run([sys.executable, "train.py", *[a for s in sets for a in ("--set", s)]], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return run_script(["train.py", *[a for s in sets for a in ("--set", s)]], timeout=300)  # fmt: skip
 
 
 def test_a_model_path_that_is_not_a_model_is_one_line(tmp_path):
@@ -175,8 +172,7 @@ def test_resume_checks_the_run_dir_is_writable_before_any_model(tmp_path):
 def test_train_cli_reports_an_unwritable_run_dir_before_any_work(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
-    out = subprocess.run([sys.executable, "train.py", "--set", f"train.run_dir={afile / 'runs'}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = run_script(["train.py", "--set", f"train.run_dir={afile / 'runs'}"], timeout=120)  # fmt: skip
     assert out.returncode == 2
     line = one_error_line(out.stderr)
     assert f"{afile / 'runs'}" in line and "Not a directory" in line and "train.run_dir" in line
@@ -279,8 +275,7 @@ def test_resume_cli_refuses_a_checkpoint_that_would_run_code(tmp_path):
     ckpt = save(run, 1)
     marker = tmp_path / "marker"
     torch.save({"step": 1, "world": 1, "payload": RunsCodeOnLoad(marker)}, ckpt / "trainer_state.pt")
-    out = subprocess.run([sys.executable, "train.py", "--resume", str(run)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = run_script(["train.py", "--resume", str(run)], timeout=120)  # fmt: skip
     assert out.returncode == 2
     assert f"refusing to load {ckpt / 'trainer_state.pt'}" in one_error_line(out.stderr)
     assert not marker.exists()
@@ -336,8 +331,7 @@ def test_convert_gguf_refuses_a_missing_or_broken_file_in_one_line(tmp_path, con
     gguf = tmp_path / "model.gguf"
     if content is not None:
         gguf.write_bytes(content)
-    out = subprocess.run([sys.executable, "convert_gguf.py", str(gguf), "--out", str(tmp_path / "out")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = run_script(["convert_gguf.py", str(gguf), "--out", str(tmp_path / "out")], timeout=300)  # fmt: skip
     assert out.returncode == 1
     line = one_error_line(out.stderr)
     expected = f"error: GGUF file not found: {gguf}" if content is None else f"error: cannot read {gguf} as a GGUF"

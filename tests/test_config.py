@@ -2,12 +2,11 @@
 
 import dataclasses
 import re
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 from trainer.config import ConfigError, TrainConfig, load_config
 
@@ -51,20 +50,14 @@ def test_every_shipped_config_loads():
 
 
 def test_train_cli_reports_unknown_key_without_traceback():
-    out = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--set", "train.lrr=1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_script(["train.py", "--config", "configs/tiny.yaml", "--set", "train.lrr=1"], timeout=120)
     assert out.returncode == 2
     assert "unknown config key 'train.lrr'" in out.stderr
     assert "Traceback" not in out.stderr
 
 
 def test_train_help_explains_flags():
-    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = run_script(["train.py", "--help"], timeout=120)
     assert out.returncode == 0
     for flag in ("--config", "--set", "--resume"):
         assert flag in out.stdout
@@ -195,7 +188,7 @@ def test_cli_reports_a_bad_config_in_one_line(tmp_path, script, args, says):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  lr: 1\n lr2: x\n")
     args, says = [a.replace("BAD", str(bad)) for a in args], says.replace("BAD", str(bad))
-    out = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = run_script([script, *args], timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
     assert says in line
@@ -212,13 +205,14 @@ def test_a_shared_engine_needs_vllm_in_the_training_process(override):
 def test_config_cli_lists_every_key_with_its_note_and_a_bad_file_is_one_line():
     """`python -m trainer.config --keys SECTION`: every field of the section, its value and the
     comment beside / above it in trainer/config.py; a missing file: one line, no traceback."""
-    run = [sys.executable, "-m", "trainer.config"]
-    keys = subprocess.run(run + ["--keys", "train", "--set", "train.steps=3"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout.splitlines()  # fmt: skip
+    run = ["-m", "trainer.config"]
+    keys = run_script(run + ["--keys", "train", "--set", "train.steps=3"])
+    assert keys.returncode == 0, keys.stderr
+    keys = keys.stdout.splitlines()
     assert [line.split(" = ")[0] for line in keys] == [f"train.{f.name}" for f in dataclasses.fields(TrainConfig)]
     assert "train.steps = 3" in keys
     note = next(line for line in keys if line.startswith("train.exact_grad_sum"))
     assert "float64" in note and "number of processes" in note  # the comment block above the field
     assert any(line.startswith("train.group_size = 8  rollouts per question") for line in keys)  # the comment beside
-    bad = subprocess.run(run + ["no/such.yaml"], cwd=ROOT, capture_output=True, text=True)
+    bad = run_script(run + ["no/such.yaml"])
     assert bad.returncode != 0 and bad.stderr.strip() == "error: config file not found: no/such.yaml"

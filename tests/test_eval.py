@@ -35,10 +35,8 @@ def test_empty_dataset_is_a_clear_error():
 # Baseline modes on the real micro world with the session's vLLM engine, and the CLI's errors.
 
 import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
-from conftest import ROOT  # noqa: E402
+from conftest import run_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +91,7 @@ def test_broken_formats_are_counted_not_dropped(vllm_engine, micro_eval):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "eval.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_script(["eval.py", *args])
 
 
 def test_cli_bad_inputs_fail_clearly_before_any_engine(micro, tmp_path):

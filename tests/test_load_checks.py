@@ -4,14 +4,13 @@ tiny-world build (the SFT start, a child process) that fails is one line naming 
 
 import json
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_script
 
 from tiny.world import world_dir
 from trainer.config import DataError, config_to_dict, load_config
@@ -147,8 +146,7 @@ def test_train_cli_refuses_a_too_long_question_before_any_engine(micro, tmp_path
     f.write_text(question("q1") + question("huge", "Where was Tavi Morek born? " * 40_000))
     sets = [f"data.train={f}", f"train.run_dir={tmp_path / 'runs'}", "rollout.engine=hf", "train.steps=1"]
     # at 9eafa61 the run took this question into its reference forward: still in step 1 at 150 s
-    out = subprocess.run([sys.executable, "train.py", "--config", str(path), *[a for s in sets for a in ("--set", s)]],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = run_script(["train.py", "--config", str(path), *[a for s in sets for a in ("--set", s)]], timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
     assert line.startswith(f"error: {f}:2: question 'huge' is ")

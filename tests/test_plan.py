@@ -6,11 +6,10 @@ quoted next to it (7.62e9, 3.94)."""
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 from trainer.config import ConfigError, load_config
 from trainer.plan import load_arch, memory_plan, param_count
@@ -143,13 +142,11 @@ def test_tiny_world_policy_is_planned_from_config_model():
 
 def test_cli_prints_a_verdict():
     config = "configs/search_r1_ppo_qwen2.5-7b-base.yaml"
-    out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config", config], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = run_script(["-m", "trainer.plan", "--config", config], timeout=60)  # fmt: skip
     assert out.returncode in (0, 1), out.stderr
     assert "=> fits" in out.stdout or "=> does not fit" in out.stdout
     assert "Qwen2.5-7B" in out.stdout and "KV cache" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "trainer.plan", "--set", "model.path=models/nonexistent-model"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    bad = run_script(["-m", "trainer.plan", "--set", "model.path=models/nonexistent-model"], timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "models/nonexistent-model" in bad.stderr
 
 
@@ -161,8 +158,7 @@ def test_cli_prints_a_verdict():
 def test_cli_refuses_out_of_range_hardware_in_one_line(override, says):
     """hardware.gpus 0 divided by zero in the plan (a traceback); now the config refuses it."""
     for cmd in (["-m", "trainer.plan"], ["train.py", "--plan"]):
-        out = subprocess.run([sys.executable, *cmd, "--set", override], cwd=ROOT, capture_output=True, text=True,
-                             timeout=60)  # fmt: skip
+        out = run_script([*cmd, "--set", override], timeout=60)  # fmt: skip
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
         assert says in line

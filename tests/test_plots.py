@@ -1,10 +1,8 @@
 """eval.py curves: PNGs per family from a metrics.jsonl, only for the families that were logged."""
 
 import json
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import run_script
 
 
 def test_curves_draw_each_logged_family(tmp_path):
@@ -17,7 +15,7 @@ def test_curves_draw_each_logged_family(tmp_path):
                      "time": {"train": 1.0}})  # fmt: skip
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "config.yaml").write_text("train:\n  constraints: [{name: reliability, stat: reward/reliability}]\n")
-    out = subprocess.run([sys.executable, "eval.py", "curves", str(run)], cwd=ROOT, capture_output=True, text=True)
+    out = run_script(["eval.py", "curves", str(run)])
     assert out.returncode == 0, out.stderr
     names = sorted(p.name for p in (run / "curves").iterdir())
     assert names == ["accuracy.png", "kl.png", "lagrangian.png", "reward.png"]  # no idk/length/searches logged
@@ -26,5 +24,5 @@ def test_curves_draw_each_logged_family(tmp_path):
 
 
 def test_curves_of_a_directory_without_metrics_is_a_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "eval.py", "curves", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    out = run_script(["eval.py", "curves", str(tmp_path)])
     assert out.returncode != 0 and "metrics.jsonl not found" in out.stderr and "Traceback" not in out.stderr

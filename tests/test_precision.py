@@ -3,11 +3,10 @@
 conftest.py sets TRAINER_NATIVE_BF16=0 for the suite; the detection tests here remove it."""
 
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_script
 
 from trainer.config import ConfigError, load_config
 from trainer.plan import memory_plan
@@ -66,8 +65,7 @@ def test_the_memory_plan_resolves_auto_for_its_gpus_not_for_this_machine():
 def test_train_prints_its_precision_before_loading_anything(tmp_path):
     """The one line at start: --plan loads no model, a config error stops before; here the line of a
     real start is read from a run that fails right after it (a model.path with no model)."""
-    out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml", "--set",
-                          f"model.path={tmp_path}", "--set", f"train.run_dir={tmp_path / 'runs'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = run_script(["train.py", "--config", "configs/tiny.yaml", "--set", f"model.path={tmp_path}", "--set",
+                      f"train.run_dir={tmp_path / 'runs'}"], timeout=300)  # fmt: skip
     assert "precision: fp32 (TRAINER_NATIVE_BF16=0); sft.bf16=false train.bf16=false model.dtype=float32" in out.stdout
     assert out.returncode != 0 and "Traceback" not in out.stderr

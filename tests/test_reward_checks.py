@@ -11,12 +11,11 @@
 """
 
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 from rewards import check_reward, compute, parse_spec, score
 from trainer.config import ConfigError, TrainingFault, load_config
@@ -196,8 +195,7 @@ def test_train_py_refuses_a_bad_reward_before_any_engine_starts(tmp_path, overri
     a traceback 25 s in, after vLLM had started, or for a misspelt key nothing at all)."""
     args = [x for kv in overrides for x in ("--set", kv)] + ["--set", f"train.run_dir={tmp_path}"]
     t = time.monotonic()
-    out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = run_script(["train.py", "--config", "configs/tiny.yaml", *args], timeout=120)  # fmt: skip
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "train.reward" in out.stderr.strip().splitlines()[-1]
     assert not list(tmp_path.iterdir())  # no run directory: nothing was started

@@ -7,12 +7,11 @@ Rewards are Python floats (float64) of a few terms: pytest.approx's default (rel
 """
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 from agent.answers import (
     char_f1,
@@ -356,17 +355,15 @@ def test_cli_scores_a_file_with_groups(tmp_path):
             for i, a in enumerate([IDK, IDK, IDK, "Zug", "Zug", "Zug"])]  # fmt: skip
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = [sys.executable, "rewards.py", "--reward", "bapo", "--set", "stage=plateau", "--input", str(inp),
-           "--output", str(out)]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    cmd = ["rewards.py", "--reward", "bapo", "--set", "stage=plateau", "--input", str(inp), "--output", str(out)]
+    res = run_script(cmd)
     assert res.returncode == 0, res.stderr
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [g["id"] for g in got] == [r["id"] for r in rows] and [g["reward"] for g in got] == [0.5] * 3 + [0.0] * 3
     assert set(got[0]["components"]) >= {"correct", "idk_bonus"}
-    res = subprocess.run(cmd[:-4] + ["--input", str(tmp_path / "nope.jsonl"), "--output", str(out)], cwd=ROOT,
-                         capture_output=True, text=True)  # fmt: skip
+    res = run_script(cmd[:-4] + ["--input", str(tmp_path / "nope.jsonl"), "--output", str(out)])
     assert res.returncode != 0 and "nope.jsonl" in res.stderr and "Traceback" not in res.stderr
-    helptext = subprocess.run([sys.executable, "rewards.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    helptext = run_script(["rewards.py", "--help"]).stdout
     assert '"group_id"' in helptext and '"response"' in helptext and "components" in helptext
 
 

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, write_micro_config
+from conftest import ROOT, run_script, write_micro_config
 from numerics import assert_close
 
 
@@ -98,8 +98,7 @@ def _bad_input_run(micro, tmp_path, **data):
         tmp_path / "c.yaml", cfg.world.cache_dir, model={"path": str(policy)}, data=files,
         train={"steps": 1, "run_dir": str(tmp_path / "runs")},
     )  # fmt: skip
-    return subprocess.run([sys.executable, "train.py", "--config", str(cfg_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return run_script(["train.py", "--config", str(cfg_path)], timeout=600)
 
 
 def test_missing_corpus_file_is_a_clear_error(micro, tmp_path):
