@@ -45,14 +45,18 @@ def child(call: dict) -> int:
         os.close(target)
     sys.stdin = open(0, closefd=False)  # not the zygote's reader of calls, which may hold buffered input
     argv = call["argv"]
+    # sys.path as the interpreter would start it: the script's directory (the working directory
+    # for -m), then the call's PYTHONPATH; other start-up variables (PYTHONIOENCODING, ...) are
+    # the zygote's, so a test that sets one runs its script with subprocess instead
+    first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in extra]]
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
-            sys.path[0] = os.getcwd()
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = argv
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as e:  # as the interpreter reports it: None is 0, a message goes to stderr with 1

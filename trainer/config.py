@@ -180,6 +180,10 @@ class RolloutConfig:
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.3  # GPU: vLLM's share; CPU: the KV cache's share of host RAM (trainer/engine.py)
     sleep_mode: bool = False  # vLLM sleeps (weights offloaded, KV cache freed) while training; CUDA only
+    # vLLM without torch.compile (verl's rollout.enforce_eager): on 2 CPU cores with the tests'
+    # micro policy the engine starts in ~3 s instead of ~8 s (warm compile cache; ~15 s cold) and
+    # generates ~25% slower. The suite's many short runs set it; a real run keeps the compile.
+    enforce_eager: bool = False
     max_model_len: int = 1024
     # Prompt with a {question} slot; empty = Search-R1's full instruction (rollout.py). The tiny
     # world uses a one-line version: its 100-token instruction would double every sequence.

@@ -236,6 +236,7 @@ class VLLMEngine:
                 max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 enable_prefix_caching=True,
+                enforce_eager=cfg.enforce_eager,
                 **kv_block_size(cfg.kv_block_size),
                 # Per-request seeds + chunked prefill crash vLLM CPU ("CPU Generator does not use
                 # offset" when a partial prefill's sample is discarded): prefill whole prompts.
