@@ -447,11 +447,11 @@ def test_two_machines_on_loopback_with_vllm_match_one_process(micro, tmp_path):
     ckpt = runs["two"] / "checkpoints" / "step_2"
     assert {"critic_optimizer.rank0.pt", "critic_optimizer.rank1.pt", "critic"} <= {p.name for p in ckpt.iterdir()}
     host_ram = psutil.virtual_memory().total
-    kv = {n: int(micro[1].rollout.gpu_memory_utilization / n * host_ram) for n in (1,)}  # engine.cpu_kv_cache_size
+    kv = int(micro[1].rollout.gpu_memory_utilization * host_ram)  # engine.cpu_kv_cache_size: one engine per host
     layout = json.loads((run_two / "processes.json").read_text())
     assert [(p["rank"], p["machine"], p["local_rank"], p["local_world_size"]) for p in layout] == [(0, 0, 0, 1),
                                                                                                    (1, 1, 0, 1)]
-    assert [p["engine_kv_cache_bytes"] for p in layout] == [kv[1]] * 2 and layout[0]["retriever"] == "in process"
+    assert [p["engine_kv_cache_bytes"] for p in layout] == [kv] * 2 and layout[0]["retriever"] == "in process"
     assert one.wait(timeout=900) == 0, one.stderr.read()[-3000:]
     rows = {n: [json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for n, r in runs.items()}
     assert [r["step"] for r in rows["two"]] == [1, 2, 3] == [r["step"] for r in rows["one"]]
@@ -508,8 +508,7 @@ def test_two_machines_on_loopback_with_vllm_match_one_process(micro, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.numeric
-@pytest.mark.parametrize("tp", [2])  # 1, an engine per rank: the loopback test above, exactly
-def test_every_rank_engine_matches_the_trainer_after_an_in_memory_sync(micro, tmp_path, tp):
+def test_every_rank_engine_matches_the_trainer_after_an_in_memory_sync(micro, tmp_path):
     """2 processes sharing one vLLM engine of tensor parallel size 2 (vLLM's external_launcher;
     tests/engine_sync.py also runs tp 1, an engine per rank): after an FSDP update and the
     in-memory sync, every rank's engine scores a fixed sequence within logprob_atol of the trainer
@@ -518,7 +517,7 @@ def test_every_rank_engine_matches_the_trainer_after_an_in_memory_sync(micro, tm
     from conftest import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "tests/engine_sync.py", str(micro[0]), str(tmp_path), str(tp)]  # fmt: skip
+           "tests/engine_sync.py", str(micro[0]), str(tmp_path), "2"]  # fmt: skip  # tensor parallel size 2
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lp = logprob_atol(model_vocab(micro[2]))

@@ -84,14 +84,19 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+def model_dir(path: str | Path) -> Path:
+    """`path` as a model directory, or FileNotFoundError naming the config.json it lacks."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {path} (expected {path / 'config.json'})")
+    return path
+
+
 def load_policy(path: str | Path, dtype: str = "float32"):
     """A causal LM from a local directory (a tiny-world policy or a Qwen2.5 hub checkout)."""
     from transformers import AutoModelForCausalLM
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no model at {path} (expected {path / 'config.json'})")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return AutoModelForCausalLM.from_pretrained(model_dir(path), dtype=getattr(torch, dtype))
 
 
 def empty_policy(path: str | Path, dtype: str = "float32"):
@@ -102,11 +107,9 @@ def empty_policy(path: str | Path, dtype: str = "float32"):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no model at {path} (expected {path / 'config.json'})")
+    config = AutoConfig.from_pretrained(model_dir(path))
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.tie_weights()  # transformers 5.17 ties them in from_pretrained, not in a meta build
     return model
 

@@ -59,6 +59,7 @@ from trainer.distributed import (
     full_weights,
     shared_per_position,
 )
+from trainer.engine import model_dir
 from trainer.grpo import ensure_finite, grpo_step, kl_per_position
 
 HEAD_FILE = "value_head.safetensors"
@@ -209,10 +210,7 @@ def load_critic(path: str | Path, dtype: str = "float32") -> Critic:
     from transformers import AutoModel
 
     path = Path(path)
-    if (path / "critic" / HEAD_FILE).is_file():
-        path = path / "critic"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no model at {path} (expected {path / 'config.json'})")
+    path = model_dir(path / "critic" if (path / "critic" / HEAD_FILE).is_file() else path)
     # from a policy dir transformers reports lm_head.weight UNEXPECTED (untied models): expected
     critic = Critic(AutoModel.from_pretrained(path, dtype=getattr(torch, dtype)))
     if (path / HEAD_FILE).is_file():
