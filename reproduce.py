@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from eval import run_eval
 from report.plots import main as plots_main
 from report.plots import read_series
 from tiny.papers import main as papers_main
-from tiny.report import ROOT, finish_report, last_checkpoint, mean_spread, train_runs
+from tiny.report import build_start, finish_report, last_checkpoint, mean_spread, train_runs
 from tiny.world import world_dir
 from trainer.config import ConfigError, load_config
 from trainer.precision import machine
@@ -129,8 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     timings = {}
     print("1/4 tiny world and SFT warm start (cached after the first time) ...", flush=True)
     t0 = time.time()
-    sets = sum((["--set", s] for s in args.set), [])
-    subprocess.run([sys.executable, "-m", "tiny.sft", "--config", args.config, *sets], cwd=ROOT, check=True)
+    build_start(args.config, args.set)
     timings["world + SFT start"] = time.time() - t0
     print(f"2/4 training {len(VARIANTS) * len(args.seeds)} runs, {args.parallel} at a time ...", flush=True)
     t0 = time.time()

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from report.plots import read_series
-from tiny.report import ROOT, finish_report, last_checkpoint, mean_spread, train_runs
+from tiny.report import ROOT, build_start, finish_report, last_checkpoint, mean_spread, train_runs
 from tiny.world import world_dir
 from trainer.config import ConfigError, load_config
 from trainer.precision import machine
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)  # fmt: skip
     t0 = time.time()
     for start in starts:
-        subprocess.run([sys.executable, "-m", "tiny.sft", "--config", RUNS[STARTS[start]], *sets], cwd=ROOT, check=True)
+        build_start(RUNS[STARTS[start]], args.set)
     timings["worlds + SFT starts"] = time.time() - t0
     # seed-major: every row's first seed finishes first (a look at all papers early)
     jobs = [((row, seed), f"{Path(RUNS[row]).stem.replace('_', '-')}-seed{seed}", RUNS[row], [f"train.seed={seed}"])
