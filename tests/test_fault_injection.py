@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, write_micro_config
+from conftest import ROOT, free_port, run_script, write_micro_config
 from test_train_e2e import _close, _metric_rows
 
 from trainer.checkpoint import verify_checkpoint
@@ -73,21 +73,20 @@ def test_retriever_outage_nan_reward_and_truncated_checkpoint_then_resume_matche
         subprocess.run([sys.executable, "retriever.py", *build], cwd=ROOT, check=True, capture_output=True)
     (tmp_path / "faulty_reward.py").write_text(FAULTY_REWARD)
     port = free_port()
-    procs = {}
+    procs, configs, envs = {}, {}, {}
     server = _serve(index, port)
     try:
         for name in ("whole", "faulty"):
-            path = write_micro_config(
+            configs[name] = write_micro_config(
                 tmp_path / f"{name}.yaml", cfg.world.cache_dir, rollout={"engine": "hf"},
                 retriever={"url": f"http://127.0.0.1:{port}", "timeout": 30},
                 train={"steps": 5, "save_every": 1, "keep_checkpoints": 2, "threads": 1,
                        "reward": "faulty_reward:em_unless_marked", "run_dir": str(tmp_path / name), "name": name},
             )  # fmt: skip
-            env = dict(os.environ, PYTHONPATH=str(tmp_path), NAN_MARKER=str(tmp_path / f"nan.{name}"))
-            procs[name] = subprocess.Popen([sys.executable, "train.py", "--config", str(path)], cwd=ROOT, env=env,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                           start_new_session=True)  # fmt: skip
-        faulty = procs["faulty"]
+            envs[name] = dict(os.environ, PYTHONPATH=str(tmp_path), NAN_MARKER=str(tmp_path / f"nan.{name}"))
+        faulty = procs["faulty"] = subprocess.Popen(
+            [sys.executable, "train.py", "--config", str(configs["faulty"])], cwd=ROOT, env=envs["faulty"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
         deadline = time.time() + 120
         while not list((tmp_path / "faulty").glob("faulty-*")):
             assert faulty.poll() is None and time.time() < deadline, faulty.stderr.read()[-3000:]
@@ -113,9 +112,7 @@ def test_retriever_outage_nan_reward_and_truncated_checkpoint_then_resume_matche
 
         newest = run / "checkpoints" / f"step_{stopped_at - 1}" / "model.safetensors"
         newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # 3. a torn write
-        out = subprocess.run([sys.executable, "train.py", "--resume", str(run)], cwd=ROOT, capture_output=True,
-                             text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(tmp_path),
-                                                               NAN_MARKER=str(tmp_path / "nan.faulty")))  # fmt: skip
+        out = run_script(["train.py", "--resume", str(run)], timeout=600, env=envs["faulty"])
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
         said = out.stdout + out.stderr
         fallback = run / "checkpoints" / f"step_{stopped_at - 2}"
@@ -128,8 +125,9 @@ def test_retriever_outage_nan_reward_and_truncated_checkpoint_then_resume_matche
             verify_checkpoint(ckpt)
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_5"]
 
-        _, err = procs["whole"].communicate(timeout=600)
-        assert procs["whole"].returncode == 0, err[-3000:]
+        # the reference, after: its own NaN marker is never written, and the server is up throughout
+        whole = run_script(["train.py", "--config", str(configs["whole"])], timeout=600, env=envs["whole"])
+        assert whole.returncode == 0, whole.stderr[-3000:]
         reference = _metric_rows(next((tmp_path / "whole").glob("whole-*")))
         resumed = _metric_rows(run)
         assert [r["step"] for r in resumed] == [r["step"] for r in reference] == [1, 2, 3, 4, 5]

@@ -361,12 +361,11 @@ def test_two_process_training_run_matches_one_process_and_is_not_resumed_by_one(
                    "run_dir": str(tmp_path / name), "name": name, "seed": 3},
         )  # fmt: skip  # seed 3: both steps' batches hold mixed groups (seed 0's first batch has reward 0)
 
-    one = subprocess.Popen([sys.executable, "train.py", "--config", str(cfgs["one"])], cwd=ROOT,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    one = run_script(["train.py", "--config", str(cfgs["one"])], timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run(launch_two() + ["--config", str(cfgs["two"])], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
-    assert one.wait(timeout=600) == 0, one.stderr.read()[-3000:]
     rows = {}
     for name in cfgs:
         run = next((tmp_path / name).glob(f"{name}-*"))

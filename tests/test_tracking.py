@@ -3,12 +3,10 @@ W&B run holding the scalars of metrics.jsonl; the end of a run prints the before
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, write_micro_config
+from conftest import ROOT, run_script, write_micro_config
 
 from trainer.config import ConfigError, load_config
 from trainer.tracking import flat_scalars, summary_table
@@ -24,8 +22,7 @@ def tracked_run(micro, tmp_path_factory):
         eval={"max_questions": 4},
     )  # fmt: skip
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    out = subprocess.run([sys.executable, "train.py", "--config", str(cfg_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=900, env=env)  # fmt: skip
+    out = run_script(["train.py", "--config", str(cfg_path)], timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     run = next((tmp / "runs").glob("tracked-*"))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -1,13 +1,11 @@
 """train.py's other algorithms end to end on the micro world (transformers engine, 2 steps
-each, run side by side): PPO with its critic, Reliable RFT, the BAPO loop, and a LoRA policy
+each): PPO with its critic, Reliable RFT, the BAPO loop, and a LoRA policy
 (adapters trained, merged weights pushed to the engine, checkpoint and resume)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, write_micro_config
+from conftest import run_script, write_micro_config
 from numerics import logprob_atol, model_vocab
 
 RUNS = {
@@ -33,19 +31,15 @@ RUNS = {
 @pytest.mark.slow
 @pytest.mark.numeric
 def test_ppo_rft_and_bapo_loops_train_and_checkpoint(micro, tmp_path):
-    procs = {}
-    for name, extra in RUNS.items():
+    rows = {}
+    for name, extra in RUNS.items():  # one after another, each forked from the warm zygote (conftest.run_script)
         cfg = write_micro_config(
             tmp_path / f"{name}.yaml", micro[1].world.cache_dir, rollout={"engine": "hf"}, eval={"max_questions": 4},
             train={"steps": 2, "eval_every": 1, "save_every": 1, "threads": 1, "run_dir": str(tmp_path / name),
                    "name": name} | extra,
         )  # fmt: skip
-        procs[name] = subprocess.Popen([sys.executable, "train.py", "--config", str(cfg)], cwd=ROOT,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    rows = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+        done = run_script(["train.py", "--config", str(cfg)], timeout=900)
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
         run = next((tmp_path / name).glob(f"{name}-*"))
         rows[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
         assert [r["step"] for r in rows[name]] == [1, 2]
@@ -72,8 +66,7 @@ def test_ppo_rft_and_bapo_loops_train_and_checkpoint(micro, tmp_path):
     ckpt = lora_run / "checkpoints" / "step_2"
     assert (ckpt / "config.json").is_file() and (ckpt / "lora").is_dir()  # a plain merged policy + adapters
     assert rows["lora"][1]["kl"] > 0  # the adapters moved the policy off the reference
-    resumed = subprocess.run([sys.executable, "train.py", "--resume", str(lora_run), "--set", "train.steps=3"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    resumed = run_script(["train.py", "--resume", str(lora_run), "--set", "train.steps=3"], timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (lora_run / "metrics.jsonl").read_text().splitlines()]
     assert steps[-3:] == [1, 2, 3]

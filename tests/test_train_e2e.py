@@ -51,7 +51,8 @@ def test_killed_run_resumes_exactly(micro, tmp_path):
             tmp_path / f"{name}.yaml", micro[1].world.cache_dir, rollout={"engine": "hf"}, eval={"max_questions": 8},
             train=train | {"save_every": save_every, "run_dir": str(tmp_path / name), "name": name},
         )  # fmt: skip
-    whole = run_train(["--config", str(configs["whole"])], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    whole = run_script(["train.py", "--config", str(configs["whole"])], timeout=900)
+    assert whole.returncode == 0, whole.stderr[-3000:]
     log = open(tmp_path / "log.txt", "w")
     proc = run_train(["--config", str(configs["killed"])], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
@@ -67,11 +68,9 @@ def test_killed_run_resumes_exactly(micro, tmp_path):
     proc.wait()
     assert not (run / "checkpoints" / "step_5").exists()
 
-    out = subprocess.run([sys.executable, "train.py", "--resume", str(run)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = run_script(["train.py", "--resume", str(run)], timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout
-    assert whole.wait(timeout=900) == 0, whole.stderr.read()[-3000:]
     rows = _metric_rows(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]  # no duplicated rows from the redone step
     reference = _metric_rows(next((tmp_path / "whole").glob("whole-*")))
