@@ -11,7 +11,9 @@ What is overridden (sizes only), printed for each config:
   model.dtype float32 (vLLM CPU on a CPU without native bf16 computes bf16 in fp32 anyway);
 - data.*: the micro world's corpus and questions; retriever: BM25 in process (no e5 model here);
 - rollout lengths and vLLM's share of host RAM; train.questions_per_step, group_size (at most 4),
-  micro_batch_tokens, steps, eval and save cadence, warm-up.
+  micro_batch_tokens, steps, eval and save cadence, warm-up;
+- rollout.enforce_eager: vLLM without torch.compile (CPU Inductor is not the box's CUDA graphs, and
+  compiling took ~10 s per rank per launch).
 Skipped flags, named with the reason: rollout.sleep_mode (vLLM offers it on CUDA/ROCm only),
 NCCL (CPU processes use gloo). Every other train.* and rollout.* flag of the config runs as
 written: bf16 mixed precision, cpu_offload, gradient checkpointing, 8-bit AdamW, the reference,
@@ -91,6 +93,7 @@ def size_overrides(name: str, world: Path, policy: Path) -> list[str]:
             "retriever.method=bm25", "retriever.model=", "retriever.index=", "retriever.url=",
             "rollout.max_tokens_per_turn=24", "rollout.max_obs_tokens=64", "rollout.max_model_len=512",
             "rollout.gpu_memory_utilization=0.05", "rollout.sleep_mode=false",
+            "rollout.enforce_eager=true",  # CPU Inductor is not the box's CUDA graphs; ~10 s of compiling per rank
             "train.questions_per_step=4", f"train.group_size={min(cfg.train.group_size, 4)}",
             "train.micro_batch_tokens=256", "train.steps=2", "train.save_every=1", "train.eval_every=2",
             "train.warmup_frac=0", "eval.max_questions=8", "hardware.gpus=2"]  # fmt: skip

@@ -101,11 +101,14 @@ def mixed_prompts(policy, n: int = 6) -> list[str]:
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
     one, zero = tok.encode("1", add_special_tokens=False)[0], tok.encode("0", add_special_tokens=False)[0]
-    margins = []
-    with torch.inference_mode():
-        for p in pool:
-            logits = model(**tok(p, return_tensors="pt")).logits[0, -1]
-            margins.append(float(logits[one] - logits[zero]))
+    ids = [tok(p)["input_ids"] for p in pool]
+    margins = [0.0] * len(pool)
+    with torch.inference_mode():  # prompts of one length in one batch: no padding, ~1 s, not ~13 s one by one
+        for length in {len(x) for x in ids}:
+            rows = [i for i, x in enumerate(ids) if len(x) == length]
+            logits = model(torch.tensor([ids[i] for i in rows])).logits[:, -1]
+            for i, margin in zip(rows, (logits[:, one] - logits[:, zero]).tolist()):
+                margins[i] = margin
     order = sorted(range(len(pool)), key=lambda i: margins[i])
     low, high = order[:n], order[-n:]
     # 0.2 logits: far above what another kernel moves a logit by (numerics.logprob_atol: ~1e-4 for
