@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_script
 from numerics import EPS32, FP32_FORMULA, assert_close, sum_rtol
 
 from search import corpus
@@ -139,7 +140,7 @@ def test_killed_dense_build_resumes_and_matches_a_clean_build(search_world, tmp_
     assert 128 <= done < n, "the build finished before it could be killed"
     with pytest.raises(DataError, match="partial build"):
         load_index(out)
-    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    resumed = run_script(cmd[1:])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming embeddings at row {done} of {n}" in resumed.stdout
     clean = np.memmap(index_dir / "embeddings.f32", dtype=np.float32, mode="r").reshape(n, -1)
@@ -149,7 +150,7 @@ def test_killed_dense_build_resumes_and_matches_a_clean_build(search_world, tmp_
     # of the (unit-norm) state, two random walks of n roundings (Higham and Mary 2019); 6 layers add
     assert_close(got, clean, rtol=0, atol=6 * math.sqrt(1536) * EPS32, what="resumed embeddings")
     assert load_index(out).meta["complete"]
-    rebuild = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    rebuild = run_script(cmd[1:])
     assert rebuild.returncode != 0 and "already holds a finished index" in rebuild.stderr
 
 

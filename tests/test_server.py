@@ -404,8 +404,9 @@ def test_rollouts_see_the_same_observations_over_http(vllm_engine, micro):
     assert [r["loss_mask"] for r in remote] == [r["loss_mask"] for r in local]
 
 
-def test_server_bound_to_loopback_is_not_reachable_on_other_addresses(search_world):
-    """Default bind is 127.0.0.1: the port is open there and closed on the machine's other address."""
+def test_server_bound_to_loopback_is_not_reachable_on_other_addresses(server, search_world):
+    """Default bind is 127.0.0.1 (the module's server): the port is open there and closed on the
+    machine's other address; a server bound to 0.0.0.0 is reached there."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("10.255.255.255", 1))  # UDP: picks the outgoing interface, sends nothing
@@ -414,14 +415,12 @@ def test_server_bound_to_loopback_is_not_reachable_on_other_addresses(search_wor
             other = "127.0.0.1"
     if other.startswith("127."):
         pytest.skip("this machine has no non-loopback IPv4 address")
-    proc, url = start_server(search_world[2])
     wide, wide_url = start_server(search_world[2], "--host", "0.0.0.0")
     try:
+        socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])), timeout=2).close()
         with pytest.raises(OSError):
-            socket.create_connection((other, int(url.rsplit(":", 1)[1])), timeout=2).close()
+            socket.create_connection((other, int(server.rsplit(":", 1)[1])), timeout=2).close()
         socket.create_connection((other, int(wide_url.rsplit(":", 1)[1])), timeout=2).close()  # the check can fail
     finally:
         wide.terminate()
         assert "warning: binding 0.0.0.0" in wide.communicate(timeout=30)[0]
-        proc.terminate()
-        proc.wait(timeout=30)
