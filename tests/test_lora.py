@@ -33,7 +33,8 @@ def served(request, tmp_path_factory):
     torch.manual_seed(0)
     mcfg = ModelConfig(hidden_size=128, num_heads=2, num_layers=2, intermediate_size=256)
     build_tiny_model(mcfg, tok).save_pretrained(path)
-    return make_engine("vllm", path, RolloutConfig(max_model_len=256, gpu_memory_utilization=0.05)), path
+    rollout = RolloutConfig(max_model_len=256, gpu_memory_utilization=0.05, enforce_eager=True)  # as conftest.MICRO
+    return make_engine("vllm", path, rollout), path
 
 
 @pytest.fixture
