@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     timings = {}
     print("1/4 tiny world and SFT warm start (cached after the first time) ...", flush=True)
     t0 = time.time()
-    build_start(args.config, args.set)
+    sft = world_dir(cfg) / "policy"
+    build_start(sft, args.config, args.set)
     timings["world + SFT start"] = time.time() - t0
     print(f"2/4 training {len(VARIANTS) * len(args.seeds)} runs, {args.parallel} at a time ...", flush=True)
     t0 = time.time()
@@ -137,7 +138,6 @@ def main(argv: list[str] | None = None) -> None:
     timings["training"] = time.time() - t0
     print("3/4 evaluating on the held-out test questions ...", flush=True)
     t0 = time.time()
-    sft = world_dir(cfg) / "policy"
     spec = [("direct (SFT policy)", sft, ["direct"]), ("naive RAG (SFT policy)", sft, ["rag"]),
             ("SFT start, with search", sft, ["agentic"])]  # fmt: skip
     spec += [

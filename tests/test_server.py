@@ -415,11 +415,12 @@ def test_server_bound_to_loopback_is_not_reachable_on_other_addresses(server, se
             other = "127.0.0.1"
     if other.startswith("127."):
         pytest.skip("this machine has no non-loopback IPv4 address")
+    port = int(server.rsplit(":", 1)[1])
     wide, wide_url = start_server(search_world[2], "--host", "0.0.0.0")
     try:
-        socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])), timeout=2).close()
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
         with pytest.raises(OSError):
-            socket.create_connection((other, int(server.rsplit(":", 1)[1])), timeout=2).close()
+            socket.create_connection((other, port), timeout=2).close()
         socket.create_connection((other, int(wide_url.rsplit(":", 1)[1])), timeout=2).close()  # the check can fail
     finally:
         wide.terminate()

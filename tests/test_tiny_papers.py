@@ -349,14 +349,14 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     for row in rows + ["SFT start", "SFT start, boundary world"]:  # BAPO's rows: a start (and test split) of their own
         assert f"| {row} |" in report
     data = json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"]
-    tested = {start: json.loads((tmp_path / "runs" / "eval" / start / "command.json").read_text())
-              for start in ("start", "start-boundary")}  # fmt: skip
-    datasets = {start: Path(cmd[cmd.index("--datasets") + 1]) for start, cmd in tested.items()}
+    evaluated = {start: json.loads((tmp_path / "runs" / "eval" / start / "command.json").read_text())
+                 for start in ("start", "start-boundary")}  # fmt: skip
+    datasets = {start: Path(argv[argv.index("--datasets") + 1]) for start, argv in evaluated.items()}
     assert datasets["start"].parent != datasets["start-boundary"].parent  # two worlds, two test splits
     assert all((d.parent / "policy" / "DONE").is_file() for d in datasets.values())  # each start's own world
     webfilter = data["WebFilter seed0"]
     assert {"operator_use", "em_misinfo", "idk_unanswerable", "info_think", "ds_reliability"} <= set(webfilter)
-    # the runs used what their configs name: the rule judge, BAPO's stage, the Lagrangian
+    # the runs used what their configs name: the rule judge, BAPO's stage (the Lagrangian: the protocol test)
     metrics = {p.name.split("-seed")[0]: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]
                for p in (tmp_path / "runs").glob("*-seed0-*")}  # fmt: skip
     # judged: 1 for every well-formed rollout (the rule judge gave z and c), 0 for a format failure

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)  # fmt: skip
     t0 = time.time()
     for start in starts:
-        build_start(RUNS[STARTS[start]], args.set)
+        build_start(start_dir[start] / "policy", RUNS[STARTS[start]], args.set)
     timings["worlds + SFT starts"] = time.time() - t0
     # seed-major: every row's first seed finishes first (a look at all papers early)
     jobs = [((row, seed), f"{Path(RUNS[row]).stem.replace('_', '-')}-seed{seed}", RUNS[row], [f"train.seed={seed}"])

@@ -2,7 +2,8 @@
 paper's effect): the SFT starts, training runs as parallel train.py processes that resume, and
 the report.
 
-    build_start("configs/tiny.yaml", ["sft.steps=120"])   # python -m tiny.sft, unless built before
+    cfg = load_config("configs/tiny.yaml")
+    build_start(world_dir(cfg) / "policy", "configs/tiny.yaml", [])  # python -m tiny.sft, unless built
     done = train_runs([(key, "grpo-seed0", "configs/tiny.yaml", ["train.seed=0"])], 2, [], run_dir)
     last_checkpoint(done[key]["run"])            # runs/.../checkpoints/step_30
     mean_spread([0.70, 0.74, 0.72])              # '0.720 ± 0.040'  (spread = max - min)
@@ -18,24 +19,22 @@ import sys
 import time
 from pathlib import Path
 
-from tiny.world import world_dir
 from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py runs from here
 
 
-def build_start(config: str, sets: list[str]) -> Path:
-    """The tiny world and SFT start of `config` with overrides `sets`: built by `python -m tiny.sft`
-    in a process of its own (its teacher imports bm25s/numba, which must not come before a vLLM
-    engine in this process: DESIGN.md §6). A start built before is kept without starting that
-    process (its imports alone are ~5 s on 2 cores), as train.py keeps it. Returns its policy dir."""
-    policy = world_dir(load_config(config, sets)) / "policy"
+def build_start(policy: Path, config: str, sets: list[str]) -> None:
+    """The tiny world and SFT start `policy` (world_dir of `config` with overrides `sets`, plus
+    /policy): built by `python -m tiny.sft` in a process of its own (its teacher imports
+    bm25s/numba, which must not come before a vLLM engine in this process: DESIGN.md §6). A start
+    built before is kept without starting that process (its imports alone are ~5 s on 2 cores),
+    as train.py keeps it."""
     if (policy / "DONE").exists():
         print(f"  {policy}: built earlier", flush=True)
-        return policy
+        return
     subprocess.run([sys.executable, "-m", "tiny.sft", "--config", config, *sum((["--set", s] for s in sets), [])],
                    cwd=ROOT, check=True)  # fmt: skip
-    return policy
 
 
 def train_runs(jobs: list[tuple], parallel: int, sets: list[str], run_dir: Path) -> dict:
