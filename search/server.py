@@ -30,12 +30,16 @@ that trickles bytes included). It retries 5xx and connection errors until that t
 exponential backoff capped at `max_backoff` s, so a server restarting for 10 s of a 30 s timeout
 is ridden out; it never retries a 4xx (the request itself is wrong). Every failure is one
 RetrieverError with a one-line message (attempts, seconds spent, the timeout, the last cause).
+It sends a batch in requests of at most the server's default --max-queries and cuts each query to
+its --max-query-chars (retriever.max_queries_per_request, retriever.max_query_chars), so a rollout
+batch of 1,300 queries or a 3,000-character query is answered, not refused with a 413.
 """
 
 import asyncio
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -395,27 +399,62 @@ def http_retrieve(
     retries: int | None = None,
     backoff: float = 0.5,
     max_backoff: float = 4.0,
+    max_queries: int = 512,
+    max_query_chars: int = 2048,
 ) -> list[list[dict]]:
-    """POST /retrieve (Search-R1 format) -> hits per query. Empty queries are answered locally
-    with no hits (the server refuses them).
+    """POST /retrieve (Search-R1 format) -> hits per query, in order. Empty queries are answered
+    locally with no hits (the server refuses them).
 
-    `timeout` bounds the whole call: each attempt gets the time left. A connection error or a
-    5xx is retried until then (retries=None) or at most `retries` times (0: one attempt), after
-    pauses of backoff, 2 backoff, 4 backoff, ... s capped at `max_backoff`, the last one cut short
-    to leave LAST_TRY s for a last attempt. The defaults try at 0, 0.5, 1.5, 3.5, 7.5, 11.5, ...
-    s: a server restarting for 10 s answers the attempt at 11.5 s. (A count of 3 retries alone
-    gave up after 3.5 s, whatever the timeout.) A 4xx is never retried (the request itself is
-    wrong), nor a 200 that is not Search-R1's format (the same server would answer the same).
-    Every failure raises RetrieverError, its message one line."""
-    if not queries:
-        return []
+    The batch goes in requests of at most `max_queries` queries, each query cut to
+    `max_query_chars` characters (retriever.max_queries_per_request and retriever.max_query_chars;
+    the defaults are the server's own limits), so neither a large rollout batch nor a runaway query
+    is a 413 that ends a run. The first cut is said once per server (a warning line on stderr).
+
+    `timeout` bounds the whole call, every request of it: each attempt gets the time left. A
+    connection error or a 5xx is retried until then (retries=None) or at most `retries` times per
+    request (0: one attempt), after pauses of backoff, 2 backoff, 4 backoff, ... s capped at
+    `max_backoff`, the last one cut short to leave LAST_TRY s for a last attempt. The defaults try
+    at 0, 0.5, 1.5, 3.5, 7.5, 11.5, ... s: a server restarting for 10 s answers the attempt at
+    11.5 s. (A count of 3 retries alone gave up after 3.5 s, whatever the timeout.) A 4xx is never
+    retried (the request itself is wrong), nor a 200 that is not Search-R1's format (the same
+    server would answer the same). Every failure raises RetrieverError, its message one line."""
     live = [i for i, q in enumerate(queries) if q.strip()]
     out: list[list[dict]] = [[] for _ in queries]
     if not live:
         return out
     endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
-    body = json.dumps({"queries": [queries[i] for i in live], "topk": k, "return_scores": True}).encode()
+    sent = [cut_query(queries[i], max_query_chars) for i in live]
+    warn_cut(endpoint, sum(len(queries[i]) > max_query_chars for i in live), len(live), max_query_chars)
     start = time.monotonic()
+    for at in range(0, len(live), max_queries):
+        body = json.dumps({"queries": sent[at : at + max_queries], "topk": k, "return_scores": True}).encode()
+        hits = post_retrieve(endpoint, body, len(sent[at : at + max_queries]), start, timeout, retries, backoff,
+                             max_backoff)  # fmt: skip
+        for i, h in zip(live[at : at + max_queries], hits):
+            out[i] = h
+    return out
+
+
+def cut_query(query: str, max_chars: int) -> str:
+    """The query as sent: whole, or (longer than the server takes) its first `max_chars`
+    characters once leading whitespace is gone (so the cut never leaves only blanks)."""
+    return query if len(query) <= max_chars else query.strip()[:max_chars]
+
+
+_CUT_SAID: set[str] = set()  # servers already told about cut queries in this process
+
+
+def warn_cut(endpoint: str, n_cut: int, n: int, max_chars: int) -> None:
+    """One warning line per server and process that queries were cut, not one per query."""
+    if n_cut and endpoint not in _CUT_SAID:
+        _CUT_SAID.add(endpoint)
+        print(f"warning: {n_cut} of {n} queries to {endpoint} are over retriever.max_query_chars = {max_chars} "
+              "characters and were cut to it (said once)", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def post_retrieve(endpoint: str, body: bytes, n: int, start: float, timeout: float, retries: int | None,
+                  backoff: float, max_backoff: float) -> list[list[dict]]:  # fmt: skip
+    """One /retrieve request of `n` queries with http_retrieve's retries, by start + timeout."""
     deadline, pause = start + timeout, backoff
     last, attempts = "", 0
     while True:
@@ -432,15 +471,12 @@ def http_retrieve(
                 raise RetrieverError(f"retrieval server {endpoint} refused the request: HTTP {status} {detail}")
             if status == 200:
                 try:
-                    result = search_r1_result(reply, len(live))
+                    return search_r1_result(reply, n)
                 except ValueError as e:
                     raise RetrieverError(
                         f"retrieval server {endpoint} answered HTTP 200 but not in Search-R1's format ({e}): "
                         f"{detail[:100]!r}"
                     ) from None
-                for i, hits in zip(live, result):
-                    out[i] = hits
-                return out
             last = f"HTTP {status} {detail}"
         left = deadline - time.monotonic()
         if (retries is not None and attempts > retries) or left < LAST_TRY:

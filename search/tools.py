@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from search.index import Index, ensure_index, format_hits, load_index
+from search.index import Index, ensure_index, format_hits, format_hits_search_r1, load_index
 from search.server import http_retrieve
 from search.web import operator_search, read, web_search
 from trainer.config import Config, ConfigError
@@ -24,9 +24,12 @@ from trainer.config import Config, ConfigError
 
 def open_index(rcfg, corpus_path: str | Path = "") -> Index:
     """The in-process index of a retriever config: `retriever.index`, else the default index
-    next to the corpus, built on first use."""
-    index_dir = rcfg.index or ensure_index(corpus_path, rcfg.method, rcfg.model, rcfg.index_factory)
-    return load_index(index_dir, search_params=rcfg.search_params, bm25_backend=rcfg.bm25_backend)
+    next to the corpus, built on first use (once, under a lock, however many ranks ask). An index
+    embedded with another encoder than retriever.model / retriever.encoder_family is refused."""
+    model, family = rcfg.model, rcfg.encoder_family
+    index_dir = rcfg.index or ensure_index(corpus_path, rcfg.method, model, rcfg.index_factory, family)
+    return load_index(index_dir, search_params=rcfg.search_params, bm25_backend=rcfg.bm25_backend,
+                      encoder=(model, family))  # fmt: skip
 
 
 def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int], list[list[dict]]]:
@@ -35,10 +38,12 @@ def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int]
     next to the corpus, built on first use. In process, queries with advanced operators
     (`site:tinypedia.org`, `-term`, ...) are filtered as search/web.py does. Over HTTP, each call
     retries a server that is down or answers 5xx until `retriever.timeout` (`retriever.retries`
-    0: never), then raises search.server.RetrieverError."""
+    0: never), then raises search.server.RetrieverError; a batch goes in requests of at most
+    `retriever.max_queries_per_request` queries, each cut to `retriever.max_query_chars`."""
     if rcfg.url:
         retries = 0 if rcfg.retries == 0 else None  # None: until the timeout (config.py says why)
-        return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=retries)
+        limits = {"max_queries": rcfg.max_queries_per_request, "max_query_chars": rcfg.max_query_chars}
+        return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=retries, **limits)
     index = open_index(rcfg, corpus_path)  # site:, -term, ... honoured (WebFilter's operators)
     return lambda queries, k: operator_search(index, queries, k)
 
@@ -57,14 +62,17 @@ def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
     """The rollout's tools. Search-R1 and BAPO protocols: one batched search, queries -> rendered
     hits, in process or over HTTP (search.tools.open_search). Deliberative and WebFilter protocols:
     {"search", "read"} over search/web.py (sources with url and date, operators, read by id), in
-    process only. Imports bm25s: call after vLLM has started."""
+    process only. With rollout.search_r1_text the hits are rendered as Search-R1 renders them
+    (index.format_hits_search_r1: titles with their quotes, each line ending in a newline). Imports
+    bm25s: call after vLLM has started."""
     if cfg.rollout.protocol in ("deliberative", "webfilter"):
         return make_web_tools(cfg, corpus_path, timings)
     search = open_search(cfg.retriever, corpus_path)
+    render = format_hits_search_r1 if cfg.rollout.search_r1_text else format_hits
 
     def search_fn(queries: list[str]) -> list[str]:
         t = time.time()
-        out = [format_hits(h) for h in search(queries, cfg.retriever.topk)]
+        out = [render(h) for h in search(queries, cfg.retriever.topk)]
         timings["retrieve"] = timings.get("retrieve", 0.0) + time.time() - t
         return out
 

@@ -197,3 +197,42 @@ def test_offloaded_optimizer_gets_the_process_share_of_the_host_cores():
     assert trainer_threads(2, cpu_offload=True, cuda=False, cpus=96, local_world_size=8) == 2
     assert trainer_threads(2, cpu_offload=False, cuda=True, cpus=96, local_world_size=8) == 2
     assert trainer_threads(16, cpu_offload=True, cuda=True, cpus=96, local_world_size=8) == 16
+
+
+def test_the_retriever_is_counted_per_gpu_and_per_host(tmp_path):
+    """In process with a dense index: its query encoder on every GPU (fp16 weights, counted from
+    its config.json and checked against the loaded model), the index once per host (file-backed
+    mmap: the page cache's one copy), from its files when built, else n_docs x dim x 4 B for Flat.
+    A served retriever (retriever.url) costs this machine nothing."""
+    import faiss
+    import numpy as np
+    from transformers import AutoModel
+
+    from search.index import default_encoder_path, import_index
+
+    minilm = default_encoder_path()
+    n_params = sum(p.numel() for p in AutoModel.from_pretrained(minilm).parameters())
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"passage {i}"}) + "\n" for i in range(1000)))
+    dense = ["retriever.method=dense", f"data.corpus={corpus}"]
+    bm25 = memory_plan(qwen7b(tmp_path))
+    estimated = memory_plan(qwen7b(tmp_path, *dense))  # <corpus dir>/index-dense, not built yet
+    r = estimated["retriever"]
+    assert r["encoder_bytes"] == n_params * 2 == 22_713_216 * 2 and not r["served"]
+    assert estimated["gpu"]["retriever_encoder"] == pytest.approx(n_params * 2 / GB)
+    assert estimated["train_total"] == pytest.approx(bm25["train_total"] + n_params * 2 / GB)  # beside training
+    assert r["index_bytes"] == 1000 * 384 * 4 and "Flat not built yet: 1,000 passages x 384 x 4 B" in r["index_how"]
+    assert estimated["host_per_node"] == pytest.approx(bm25["host_per_node"] + 1000 * 384 * 4 / GB)  # once, not x 8
+    index = faiss.IndexFlatIP(384)
+    index.add(np.ones((1000, 384), np.float32))
+    faiss.write_index(index, str(tmp_path / "bare.index"))
+    built = import_index(tmp_path / "bare.index", corpus, tmp_path / "index-dense", minilm, "minilm")
+    r = memory_plan(qwen7b(tmp_path, *dense))["retriever"]
+    files = (built / "faiss.index").stat().st_size + (built / "spans.npy").stat().st_size
+    assert r["index_bytes"] == files and f"files of {built}" in r["index_how"]
+    served = memory_plan(qwen7b(tmp_path, *dense, "retriever.url=http://127.0.0.1:8000"))
+    assert served["gpu"]["retriever_encoder"] == 0.0 and served["retriever"]["index_bytes"] == 0.0
+    assert served["train_total"] == pytest.approx(bm25["train_total"])
+    out = run_script(["-m", "trainer.plan", "--set", "retriever.url=http://127.0.0.1:8000",
+                      "--set", "retriever.method=dense"], timeout=60)  # fmt: skip
+    assert "served by retriever.url (not counted on this machine's GPUs)" in out.stdout, out.stderr

@@ -425,3 +425,51 @@ def test_server_bound_to_loopback_is_not_reachable_on_other_addresses(server, se
     finally:
         wide.terminate()
         assert "warning: binding 0.0.0.0" in wide.communicate(timeout=30)[0]
+
+
+@pytest.fixture(scope="module")
+def default_server(bm25_dir):
+    """The BM25 index served with the server's default limits, named: 512 queries of at most 2,048
+    characters a request (the client's retriever.max_queries_per_request, max_query_chars)."""
+    proc, url = start_server(bm25_dir, "--max-queries", "512", "--max-query-chars", "2048")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def world_queries(world, n: int) -> list[str]:
+    """n distinct queries about the world's passages (their titles, in four phrasings)."""
+    titles = sorted({d["contents"].split("\n")[0].strip('"') for d in world.corpus})
+    return [f"{t} {w}" for w in ("born", "city", "country", "lived") for t in titles][:n]
+
+
+def test_a_batch_over_the_servers_limit_goes_in_requests_and_comes_back_in_order(default_server, bm25_dir,
+                                                                               search_world):  # fmt: skip
+    """1,300 queries, through the config's own path (open_search): three requests of at most 512,
+    every answer at its own query's place (before: one request, a 413 that ended the run)."""
+    queries = world_queries(search_world[0], 1300)
+    assert len(set(queries)) == 1300
+    before = health(default_server)
+    hits = open_search(RetrieverConfig(url=default_server))(queries, 3)
+    after = health(default_server)
+    assert after["requests"] - before["requests"] == 3 and after["queries"] - before["queries"] == 1300
+    local = search(load_index(bm25_dir), queries, 3)
+    assert [[h["document"]["id"] for h in hs] for hs in hits] == [[h["document"]["id"] for h in hs] for hs in local]
+    assert RetrieverConfig().max_queries_per_request == 512 == Limits().max_queries
+
+
+def test_a_query_over_the_servers_length_limit_is_cut_and_answered(default_server, bm25_dir, search_world, capsys):
+    """A 3,000-character query among others is cut to retriever.max_query_chars (2,048, the
+    server's default) and gets the hits of its first 2,048 characters, not a 413; the cut is said
+    in one warning line, once."""
+    short = world_queries(search_world[0], 2)
+    long = (short[0] + " " + "lorem ipsum dolor " * 200)[:3000]
+    search_fn = open_search(RetrieverConfig(url=default_server))
+    hits = search_fn([short[0], long, short[1]], 3)
+    local = search(load_index(bm25_dir), [short[0], long[:2048], short[1]], 3)
+    assert hits[1] and [[h["document"]["id"] for h in hs] for hs in hits] == [
+        [h["document"]["id"] for h in hs] for hs in local]  # fmt: skip
+    search_fn([long, long], 3)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "1 of 3 queries" in warnings[0] and "max_query_chars = 2048" in warnings[0]
+    assert RetrieverConfig().max_query_chars == 2048 == Limits().max_query_chars

