@@ -21,6 +21,15 @@ the token bookkeeping below are the same for all. Search-R1, the default:
 Prompts: a plain prompt for base models; with `rollout.chat_template` the tokenizer's own chat
 template (instruct models), whose tool message carries WebFilter's observations.
 
+`rollout.search_r1_text` (search_r1): Search-R1's exact text, to evaluate and train its released
+checkpoints like for like: its make_prefix prompt verbatim on the question stripped + "?" (with
+chat_template, that whole prompt is the one user message), `Doc i(Title: "t") text` hits in
+"\n\n<information>..</information>\n\n", the first <search> / <answer> block of a turn decides, and a
+turn with neither gets Search-R1's invalid-action text (loss_mask 0, no tags) and the rollout goes on
+(agent/protocols.py SEARCH_R1_TEXT). An observation that fits max_obs_tokens is tokenised as one
+string, as Search-R1 does; the policy's tokens are still kept as generated (Search-R1 decodes and
+re-encodes them).
+
 Token bookkeeping, the part the reference implementations get wrong (DESIGN §7):
   * the policy's token ids are kept exactly as the engine generated them, never decoded and
     re-encoded; only the appended tool text is tokenised;
@@ -48,7 +57,7 @@ from pathlib import Path
 
 from agent import protocols
 from agent.answers import last_block, parse_response, split_segments
-from agent.protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text
+from agent.protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text, search_r1_prompt
 from trainer.config import ConfigError, RolloutConfig
 from trainer.engine import Completion, Request
 
@@ -63,11 +72,15 @@ SEARCH_R1_TEMPLATE = SEARCH_R1_SYSTEM + " Question: {question}\n"
 
 def render_prompt(question: str, template: str = "", cfg: RolloutConfig | None = None) -> str:
     """The plain (base-model) prompt for one question; `template` has a {question} slot; empty:
-    the protocol's instructions (cfg.protocol, Search-R1's without a cfg) and the question."""
+    the protocol's instructions (cfg.protocol, Search-R1's without a cfg) and the question, or
+    with cfg.search_r1_text Search-R1's own prompt (its make_prefix, agent/protocols.py)."""
     if template:
         return template.format(question=question.strip())
     cfg = cfg or RolloutConfig()
-    return instructions(protocols.get(cfg.protocol), cfg) + f" Question: {question.strip()}\n"
+    proto = protocols.for_config(cfg)
+    if proto is protocols.SEARCH_R1_TEXT:
+        return search_r1_prompt(question)
+    return instructions(proto, cfg) + f" Question: {question.strip()}\n"
 
 
 def check_chat_template(tokenizer, cfg: RolloutConfig, model_dir: str | Path) -> None:
@@ -81,11 +94,13 @@ def check_chat_template(tokenizer, cfg: RolloutConfig, model_dir: str | Path) ->
 
 def prompt_ids(tokenizer, question: str, cfg: RolloutConfig, proto: Protocol) -> list[int]:
     """Base models: the plain prompt. Instruct models (cfg.chat_template): their own chat
-    template, the instructions as system message (or prompt_template as the user message)."""
+    template, the instructions as system message (or prompt_template as the user message; or,
+    with cfg.search_r1_text, Search-R1's whole prompt as the one user message, as its data
+    scripts store it and verl's rl_dataset applies the template, add_generation_prompt=True)."""
     if not cfg.chat_template:
         return tokenizer.encode(render_prompt(question, cfg.prompt_template, cfg), add_special_tokens=False)
-    if cfg.prompt_template:
-        messages = [{"role": "user", "content": render_prompt(question, cfg.prompt_template)}]
+    if cfg.prompt_template or cfg.search_r1_text:
+        messages = [{"role": "user", "content": render_prompt(question, cfg.prompt_template, cfg)}]
     else:
         messages = [
             {"role": "system", "content": instructions(proto, cfg)},
@@ -112,11 +127,17 @@ def tool_message_wrap(tokenizer, proto: Protocol) -> tuple[str, str]:
     return text[a + len(mark_a) : b], text[b + len(mark_b) :]
 
 
-def observation_ids(tokenizer, body: str, max_tokens: int, wrap: tuple[str, str] = (OBS_HEAD, OBS_TAIL)) -> list[int]:
+def observation_ids(tokenizer, body: str, max_tokens: int, wrap: tuple[str, str] = (OBS_HEAD, OBS_TAIL),
+                    whole: bool = False) -> list[int]:  # fmt: skip
     """`\\n<information>body</information>\\n` (or another (head, tail)) as token ids, the body cut
-    to max_tokens: the closing tag is never cut."""
+    to max_tokens: the closing tag is never cut. whole (rollout.search_r1_text): a body that fits is
+    tokenised with its head and tail as one string, as Search-R1 tokenises its observation
+    (generation.py, _process_next_obs), so that no token differs where they meet (".</")."""
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-    return enc(wrap[0]) + enc(body)[:max_tokens] + enc(wrap[1])
+    ids = enc(body)
+    if whole and len(ids) <= max_tokens:
+        return enc(wrap[0] + body + wrap[1])
+    return enc(wrap[0]) + ids[:max_tokens] + enc(wrap[1])
 
 
 def tokenize_segments(tokenizer, segments: list[tuple[str, str]], max_obs_tokens: int = 10**9):
@@ -184,7 +205,7 @@ def rollout_batch(
     request carries its own seed (question, sample, turn), so the records do not depend on which
     trajectories shared a batch.
     """
-    proto = protocols.get(cfg.protocol)
+    proto = protocols.for_config(cfg)  # rollout.protocol's, or Search-R1's exact text (search_r1_text)
     tools = search_fn if isinstance(search_fn, dict) else {"search": search_fn}
     # where an observation goes: inline in the protocol's tags, or a chat-template tool message
     wrap = tool_message_wrap(tokenizer, proto) if cfg.chat_template and proto.tool_message else proto.obs
@@ -194,7 +215,7 @@ def rollout_batch(
         for k in range(group_size):
             states.append(_State(q, group_prefix + str(q["id"]), k, ids))
             if prefixes is not None:
-                _force_prefix(states[-1], prefixes[qi], tokenizer, cfg)
+                _force_prefix(states[-1], prefixes[qi], tokenizer, cfg, proto)
 
     def next_turn(i: int) -> list[Request]:
         """The request for state i's next turn, or none when it has no turn or room left."""
@@ -283,7 +304,9 @@ def _take_turn(s: _State, out: Completion, tokenizer, proto: Protocol, cfg: Roll
 def _append_observation(s: _State, act: dict, results: list, tokenizer, proto: Protocol, tools: dict,
                         wrap: tuple[str, str], cfg: RolloutConfig) -> None:  # fmt: skip
     body = _observe(s, proto, act, results, tools, s.turns)
-    obs = observation_ids(tokenizer, body, cfg.max_obs_tokens, wrap)
+    if act.get("error") and proto.invalid_obs:  # Search-R1's invalid-action text: verbatim, no tags
+        wrap = ("", "")
+    obs = observation_ids(tokenizer, body, cfg.max_obs_tokens, wrap, whole=proto is protocols.SEARCH_R1_TEXT)
     start = len(s.response_ids)
     s.response_ids += obs
     s.loss_mask += [0] * len(obs)  # retrieved tokens are never the policy's
@@ -352,9 +375,13 @@ def _observe(s: _State, proto: Protocol, act: dict, results: list, tools: dict, 
     return "\n".join(pieces)
 
 
-def _force_prefix(s: _State, segments: list[tuple[str, str]], tokenizer, cfg: RolloutConfig) -> None:
+def _force_prefix(s: _State, segments: list[tuple[str, str]], tokenizer, cfg: RolloutConfig, proto: Protocol) -> None:
     for text, role in segments:
-        ids, _ = tokenize_segments(tokenizer, [(text, role)], cfg.max_obs_tokens)
+        if role == "obs" and proto is protocols.SEARCH_R1_TEXT:  # Search-R1's information block
+            text = text.strip()
+            ids = observation_ids(tokenizer, text, cfg.max_obs_tokens, proto.obs, whole=True)
+        else:
+            ids, _ = tokenize_segments(tokenizer, [(text, role)], cfg.max_obs_tokens)
         start = len(s.response_ids)
         s.response_ids += ids
         s.loss_mask += [0] * len(ids)
@@ -391,6 +418,8 @@ def _record(s: _State, tokenizer, proto: Protocol | None = None) -> dict:
         "turns": s.turns,
         "num_searches": len(s.tool_calls),
     }
+    if proto is protocols.SEARCH_R1_TEXT:
+        record["invalid_actions"] = s.invalid  # turns with no <search> / <answer> block ({"turn", "error"})
     if proto is None or proto.name == "search_r1":
         return record  # Search-R1's record, exactly as before protocols existed
     if any("block" in c for c in s.chunks):  # chat tool messages: the transcript in the protocol's tags

@@ -3,7 +3,8 @@
 `rollout.protocol` picks one; rollout.py runs the same loop for all of them. A protocol is a
 plain record of
 
-    system   the instructions, in our own words after the paper (never its text); the plain
+    system   the instructions, in our own words after the paper (never its text, but for
+             rollout.search_r1_text below, copied with attribution); the plain
              prompt is `system + " Question: <question>\\n"`. With `rollout.chat_template` the
              model's own chat template gets them as the system message, the question as the user
              message (and `tools`, the tool schemas, for JSON tool calling)
@@ -16,6 +17,7 @@ plain record of
              observation is a tool message of the model's template instead (webfilter)
     hint     what a valid action looks like, for the invalid-action observation
     idk      the reliable-prompt sentence added with `rollout.allow_idk` (BAPO §3.2)
+    invalid_obs  the invalid-action observation verbatim, outside the obs tags (empty: `hint`'s)
 
     protocol      the policy writes                                   and gets back
     search_r1     <search> q </search>                                <information> Doc i(Title: t) text </information>
@@ -29,6 +31,11 @@ A malformed action (not JSON, unknown tool, empty search or read, a read of a mi
 confidence outside 1-10, BAPO's answer without one well-formed \\boxed{}) gets an "invalid
 action" observation and costs its turn; it never raises. search_r1 keeps Search-R1's loop
 exactly as before: a closing </search> without a block ends the rollout (finish "format").
+
+`rollout.search_r1_text` (search_r1 only) swaps in Search-R1's exact text (SEARCH_R1_TEXT below, copied
+from its code): make_prefix's prompt on the question stripped + "?", `Doc i(Title: "t") text` hits in
+"\n\n<information>..</information>\n\n", the first <search> / <answer> block of a turn decides, and
+a turn with neither gets Search-R1's invalid-action text (no tags) and the rollout goes on.
 
 Calls are dicts: {"name": "search", "query": q} or {"name": "read", "id": x} (search_r1's are
 {"query": q}: its tool log predates the names; report/metrics.py counts a nameless entry as a search).
@@ -44,6 +51,7 @@ search/web.py dict ({"results": [..]} / {"title", "text"} / {"error": ..}) that 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,6 +68,43 @@ SEARCH_R1_SYSTEM = (
     "as often as you like. When you know the answer, write it inside <answer> and </answer> "
     "with no explanation, for example <answer> Paris </answer>."
 )
+
+# rollout.search_r1_text: Search-R1's own text, copied verbatim from PeterGriffinJin/Search-R1 at commit
+# a14dc3a4ffc6fe88c1e95038d9738e21ba3f7a06 (Apache License 2.0; Copyright 2024 Bytedance Ltd. and/or its
+# affiliates, and the Search-R1 authors). The prompt is make_prefix(dp, template_type='base') of
+# scripts/data_process/nq_search.py, qa_search_train_merge.py and qa_search_test_merge.py (the same
+# string in the three, and in infer.py), its backslash-continued lines joined as Python joins them;
+# "as your want" is theirs. {question} is the question as those scripts store it (search_r1_question).
+SEARCH_R1_PREFIX = (
+    "Answer the given question. "
+    "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+    "</search> and it will return the top searched results between <information> and </information>. "
+    "You can search as many times as your want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> "
+    "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+# search_r1/llm_agent/generation.py, execute_predictions: what a turn with no <search> / <answer> block
+# gets (the rollout goes on), and the observation of a search, f'\n\n<information>{search_results.strip()}
+# </information>\n\n' (search_results: _passages2string, search/index.py format_hits_search_r1)
+SEARCH_R1_INVALID = (
+    "\nMy previous action is invalid. "
+    "If I want to search, I should put the query between <search> and </search>. "
+    "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n"
+)
+SEARCH_R1_OBS = ("\n\n<information>", "</information>\n\n")
+
+
+def search_r1_question(question: str) -> str:
+    """The question as Search-R1's data scripts store it: stripped, "?" appended unless it ends with one."""
+    question = question.strip()
+    return question if question.endswith("?") else question + "?"
+
+
+def search_r1_prompt(question: str) -> str:
+    """Search-R1's plain prompt for one question (its make_prefix on its stored question)."""
+    return SEARCH_R1_PREFIX.format(question=search_r1_question(question))
+
 
 # BAPO App. C.1 (TIR prompt), our wording: think / search / result tags, the exact answer boxed.
 BAPO_SYSTEM = (
@@ -124,6 +169,7 @@ class Protocol:
     idk: str = ""
     tool_message: bool = False
     tools: list[dict] = field(default_factory=list)
+    invalid_obs: str = ""  # the invalid-action observation verbatim, outside the obs tags (Search-R1's text)
 
 
 def invalid(why: str) -> dict:
@@ -149,6 +195,21 @@ def parse_search_r1(text: str, cfg: RolloutConfig) -> dict:
             else {"kind": "act", "calls": [{"query": query}]}
         )
     return {"kind": "none"}
+
+
+_SEARCH_R1_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)  # generation.py's pattern
+
+
+def parse_search_r1_text(text: str, cfg: RolloutConfig) -> dict:
+    """Search-R1's postprocess_predictions (generation.py): the turn's first <search> / <answer> block
+    decides, the query stripped; a turn with neither (an EOS, a cut turn, a bare </search>) is invalid and
+    gets SEARCH_R1_INVALID, and the rollout goes on, as in Search-R1's run_llm_loop."""
+    match = _SEARCH_R1_ACTION.search(text)
+    if match is None:
+        return invalid("no <search> or <answer> block")
+    if match.group(1) == "answer":
+        return {"kind": "answer"}
+    return {"kind": "act", "calls": [{"query": match.group(2).strip()}]}
 
 
 def parse_bapo(text: str, cfg: RolloutConfig) -> dict:
@@ -209,6 +270,11 @@ def show_text(call: dict, result) -> tuple[str, str | None]:
     return (result if isinstance(result, str) else str(result)), None
 
 
+def show_search_r1_text(call: dict, result) -> tuple[str, str | None]:
+    """Search-R1's exact text: the rendered hits stripped, as its information block holds them."""
+    return (result if isinstance(result, str) else str(result)).strip(), None
+
+
 def show_deliberative(call: dict, result) -> tuple[str, str | None]:
     """SEARCH lists sources ([id] title), READ shows one; a read of a missing id is invalid."""
     if not isinstance(result, dict):  # a tool that renders its own text (e.g. Search-R1's hits)
@@ -263,6 +329,13 @@ PROTOCOLS = {
     ),
 }  # fmt: skip
 
+# rollout.search_r1_text: the search_r1 protocol in Search-R1's own text (its name, so its records stay
+# search_r1's). `system` is the prompt's instruction part; rollout.py renders the prompt with search_r1_prompt.
+SEARCH_R1_TEXT = Protocol(
+    "search_r1", SEARCH_R1_PREFIX.split(" Question: {question}")[0], ["</search>", "</answer>"], parse_search_r1_text,
+    show_search_r1_text, SEARCH_R1_OBS, invalid_obs=SEARCH_R1_INVALID,
+)  # fmt: skip
+
 
 def get(name: str) -> Protocol:
     if name not in PROTOCOLS:
@@ -270,9 +343,20 @@ def get(name: str) -> Protocol:
     return PROTOCOLS[name]
 
 
+def for_config(cfg: RolloutConfig) -> Protocol:
+    """The protocol a rollout runs: `rollout.protocol`'s, or SEARCH_R1_TEXT with rollout.search_r1_text."""
+    proto = get(cfg.protocol)
+    if not cfg.search_r1_text:
+        return proto
+    if proto.name != "search_r1":
+        raise ConfigError(f"config key 'rollout.search_r1_text' needs rollout.protocol search_r1; got {cfg.protocol!r}")
+    return SEARCH_R1_TEXT
+
+
 def invalid_text(proto: Protocol, why: str) -> str:
-    """The invalid-action observation (our wording of the papers' "invalid action, try again")."""
-    return f"Invalid action: {why}. {proto.hint} Try again."
+    """The invalid-action observation (our wording of the papers' "invalid action, try again"), or the
+    protocol's own verbatim text (Search-R1's with rollout.search_r1_text)."""
+    return proto.invalid_obs or f"Invalid action: {why}. {proto.hint} Try again."
 
 
 def instructions(proto: Protocol, cfg: RolloutConfig) -> str:

