@@ -3,7 +3,8 @@
     python eval.py --config configs/tiny.yaml                         # the SFT policy, agentic, val
     python eval.py --config configs/tiny.yaml --split test --modes direct rag agentic \
         --model sft=cache/tiny-X/policy --model grpo=runs/tiny-X/checkpoints/step_30
-    python eval.py --config C --datasets data/nq.jsonl data/hotpotqa_test.parquet --out runs/eval-nq
+    python eval.py --config C --datasets data/nq_hotpotqa/test.parquet --out runs/eval-7   # seven benchmarks
+    python eval.py --config C --datasets data/flashrag/nq/test.jsonl data/flashrag/hotpotqa/dev.jsonl
     python eval.py curves runs/tiny-X        # PNG training curves of a run (report/plots.py)
     python eval.py view runs/eval-X/rollouts/grpo_agentic__test.jsonl -o view.html   # report/viewer.py
 
@@ -20,8 +21,11 @@ IDK rate, ECE, faithfulness, searches, ...). The output directory gets results.m
 .json, rollouts/<row>__<dataset>.jsonl and viewer.html (report/viewer.py).
 
 `evaluate` (used by train.py for its periodic validation) returns the same metrics overall and
-per `metadata.type` (the tiny world: 1hop, 2hop), e.g.
+per `metadata.type` (the tiny world: 1hop, 2hop) and per benchmark (a parquet's data_source), e.g.
   {"n": 400, "em": 0.61, "em_1hop": 0.93, "em_2hop": 0.29, "searches_2hop": 1.4, ...}
+  {"n": 3000, "em": 0.41, "em/nq": 0.44, "em/hotpotqa": 0.38, "n/nq": 500, ...}      (test.parquet)
+Datasets are benchmarks (trainer/data.benchmarks): FlashRAG's `<dataset>/<split>.jsonl` is named
+by its folder, a Search-R1 parquet gives one column group per data_source, any other file its stem.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from rewards import score, source_restricting
 from rollout import check_chat_template, render_prompt, rollout_batch
 from search.tools import make_search_fn
 from trainer.config import Config, ConfigError, DataError, load_config
-from trainer.data import data_paths, load_questions, starting_policy
+from trainer.data import benchmarks, data_paths, starting_policy
 from trainer.engine import load_policy, load_tokenizer, make_engine
 from trainer.precision import describe as describe_precision
 
@@ -58,15 +62,21 @@ DEFAULT_COLUMNS = ("em", "f1", "searches")
 
 
 def summarize(records: list[dict]) -> dict:
-    """Mean EM / F1 / format / searches, overall and per question type."""
+    """Mean EM / F1 / format / searches, overall, per question type (`metadata.type`; a null type
+    is no type) and per benchmark (`metadata.dataset`: a parquet's data_source, as Search-R1 logs
+    val/test_score/<data_source>), e.g. {"em": 0.4, "em_bridge": 0.3, "em/nq": 0.45, "em/hotpotqa": 0.35}."""
     if not records:
         raise ValueError("no rollouts to summarise (empty dataset?)")
     by_type: dict[str, list[dict]] = defaultdict(list)
-    categories = any("category" in r.get("metadata", {}) for r in records)  # the papers' tiny world
+    by_benchmark: dict[str, list[dict]] = defaultdict(list)
+    categories = any("category" in (r.get("metadata") or {}) for r in records)  # the papers' tiny world
     for r in records:
-        meta = r.get("metadata", {})
+        meta = r.get("metadata") or {}
         by_type[""].append(r)
-        by_type[meta.get("type", "")].append(r)
+        if meta.get("type"):  # (88e794b put a typeless record in the overall group twice)
+            by_type[str(meta["type"])].append(r)
+        if meta.get("dataset"):
+            by_benchmark[str(meta["dataset"])].append(r)
         if categories:  # "plain", "unanswerable" or "misinfo" (tiny/world.py); plain + misinfo = answerable
             by_type[meta.get("category", "plain")].append(r)
             if meta.get("category") != "unanswerable":
@@ -74,17 +84,26 @@ def summarize(records: list[dict]) -> dict:
     out: dict[str, float] = {"n": len(records)}
     for kind, rs in sorted(by_type.items()):
         suffix = f"_{kind}" if kind else ""
-        n = len(rs)
-        out[f"em{suffix}"] = sum(r["reward_components"]["em"] for r in rs) / n
-        out[f"f1{suffix}"] = sum(r["reward_components"]["f1"] for r in rs) / n
-        out[f"format_ok{suffix}"] = sum(r["reward_components"]["format_ok"] for r in rs) / n
-        out[f"searches{suffix}"] = sum(r["num_searches"] for r in rs) / n
+        out |= {f"{name}{suffix}": value for name, value in _means(rs).items()}
         if categories:
-            out[f"idk{suffix}"] = sum(parsed(r).idk for r in rs) / n
-            out[f"operator{suffix}"] = sum(source_restricting(r)["reward"] for r in rs) / n  # WebFilter R_src
+            out[f"idk{suffix}"] = sum(parsed(r).idk for r in rs) / len(rs)
+            out[f"operator{suffix}"] = sum(source_restricting(r)["reward"] for r in rs) / len(rs)  # WebFilter R_src
+    for benchmark, rs in sorted(by_benchmark.items()):
+        out |= {f"{name}/{benchmark}": value for name, value in _means(rs).items()} | {f"n/{benchmark}": len(rs)}
     for r in records:
         r.pop("_parsed", None)
     return out
+
+
+def _means(records: list[dict]) -> dict[str, float]:
+    """EM, F1, format and searches averaged over `records` (EM-scored rollouts)."""
+    n = len(records)
+    return {
+        "em": sum(r["reward_components"]["em"] for r in records) / n,
+        "f1": sum(r["reward_components"]["f1"] for r in records) / n,
+        "format_ok": sum(r["reward_components"]["format_ok"] for r in records) / n,
+        "searches": sum(r["num_searches"] for r in records) / n,
+    }
 
 
 def evaluate(engine, tokenizer, questions: list[dict], search_fn, cfg: Config, records_out: list | None = None) -> dict:
@@ -172,10 +191,7 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
     between models; writes the tables under `out` and returns rows[row name][dataset].
     judge: adds judge_acc (and judges correctness); reference_row: the row whose rollouts every
     other row's "I don't know" answers are held against (BAPO's rejection success rate)."""
-    questions = {}
-    for path in datasets:
-        qs = load_questions(path)
-        questions[path.stem] = qs[: cfg.eval.max_questions] if cfg.eval.max_questions else qs
+    questions = benchmarks(datasets, cfg.eval.max_questions)  # FlashRAG folders / data_source: one each
     rows: dict[str, dict] = {}
     records: dict[tuple[str, str], list] = {}
     engine = search_fn = tokenizer = None
@@ -241,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
         help="model directory or checkpoint, repeatable (default: the config's starting policy)",
     )
     parser.add_argument("--datasets", nargs="+", default=[], metavar="FILE",
-                        help="FlashRAG jsonl or Search-R1 parquet files, each its own column group "
-                             "(default: the config's --split file)")  # fmt: skip
+                        help="FlashRAG jsonl or Search-R1 parquet files; each benchmark is a column group, named "
+                             "by its FlashRAG folder (nq/test.jsonl: nq), a parquet's data_source (one group "
+                             "each), or the file's stem (default: the config's --split file)")  # fmt: skip
     parser.add_argument(
         "--split",
         default="",
@@ -285,8 +302,8 @@ def main(argv: list[str] | None = None) -> None:
             datasets = [Path(d) for d in args.datasets]
         else:
             datasets = [data_paths(cfg)[args.split or cfg.eval.split]]
-        for d in datasets:
-            load_questions(d)  # a bad dataset fails before any engine starts
+        names = benchmarks(datasets)  # a bad dataset, or two of one name, fails before any engine starts
+        print(f"benchmarks: {', '.join(f'{k} ({len(v)})' for k, v in names.items())}", flush=True)
     except (DataError, FileNotFoundError, KeyError) as e:
         parser.error(str(e))
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -136,6 +136,6 @@ def test_search_r1_parquet_is_read_like_flashrag(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
     qs = load_questions(tmp_path / "test.parquet")
     assert qs == [
-        {"id": "test_0", "question": "who wrote x?", "golden_answers": ["A B"], "metadata": {"dataset": "nq"}},
-        {"id": "7", "question": "where is y?", "golden_answers": ["Z"], "metadata": {"dataset": "hotpotqa"}},
+        {"id": "nq/test_0", "question": "who wrote x?", "golden_answers": ["A B"], "metadata": {"dataset": "nq"}},
+        {"id": "hotpotqa/7", "question": "where is y?", "golden_answers": ["Z"], "metadata": {"dataset": "hotpotqa"}},
     ]

@@ -45,6 +45,7 @@ from report.plots import read_series
 from tiny.report import ROOT, build_start, finish_report, last_checkpoint, mean_spread, train_runs
 from tiny.world import world_dir
 from trainer.config import ConfigError, load_config
+from trainer.data import benchmark_name
 from trainer.precision import machine
 
 BASELINE = "GRPO baseline (EM)"
@@ -253,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             subprocess.run(cmd, cwd=ROOT, check=True)
             (out / "command.json").write_text(asked)
-        rows |= {name: per["test"] for name, per in json.loads((out / "results.json").read_text()).items()}
+        held_out = benchmark_name(test_files[start])  # eval.py's column group of that file
+        rows |= {name: per[held_out] for name, per in json.loads((out / "results.json").read_text()).items()}
     timings["evaluation"] = time.time() - t0
     print("4/4 curves and report ...", flush=True)
     out = Path(args.out)

@@ -26,7 +26,7 @@ from agent import protocols
 from rollout import prompt_ids
 from tiny.warm_start import warm_start_dir
 from tiny.world import ensure_world_data, world_data_dir, world_dir
-from trainer.config import Config, DataError, RolloutConfig
+from trainer.config import Config, DataError, RolloutConfig, json_type
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository, so `python -m tiny.sft` runs from any directory
 
@@ -128,10 +128,16 @@ def data_paths(cfg: Config) -> dict[str, Path]:
 
 
 def load_questions(path: Path) -> list[dict]:
-    """FlashRAG jsonl or Search-R1 parquet; a line that is not UTF-8 or not a JSON object, an empty
-    question, `golden_answers` missing or not a list, an id missing or seen before is an error that
-    names the line (the row for parquet). Ids must be unique: they name the GRPO groups, and two
-    questions under one id would be scored as one group (advantages across unrelated questions)."""
+    """FlashRAG jsonl or Search-R1 parquet; a line that is not UTF-8 or not a JSON object, a
+    question that is not a non-empty string, `golden_answers` missing or not a list, metadata that
+    is not an object, an id missing or seen before within its benchmark is an error that names the
+    line (the row for parquet). Null metadata loads as {}.
+
+    Ids must be unique within a benchmark: they name the GRPO groups, and two questions under one
+    id would be scored as one group (advantages across unrelated questions). FlashRAG numbers ids
+    per split (`train_0`, `test_0`, ...), so Search-R1's merged parquets repeat them across
+    sources by construction; a row with a `data_source` is therefore identified within it, its id
+    written `<data_source>/<id>` ("nq/train_0", "hotpotqa/train_0")."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file not found: {path}")
@@ -141,13 +147,20 @@ def load_questions(path: Path) -> list[dict]:
         numbered = _read_jsonl_numbered(path)
     first_line: dict[str, int] = {}  # id -> the line it was first seen on
     for n, q in numbered:
-        if not str(q.get("question", "")).strip():
+        question = q.get("question")
+        if not isinstance(question, str):  # 42 or null would crash the rollout after the engine started
+            raise DataError(f"{path}:{n}: question must be a string, got {json_type(question)} (id {q.get('id')!r})")
+        if not question.strip():
             raise DataError(f"{path}:{n}: empty question (id {q.get('id')!r})")
         if not q.get("golden_answers"):
             raise DataError(f"{path}:{n}: no golden_answers (id {q.get('id')!r})")
         if not isinstance(q["golden_answers"], list):  # a bare string would be scored letter by letter
             raise DataError(f"{path}:{n}: golden_answers must be a list, got {q['golden_answers']!r} "
                             f"(id {q.get('id')!r})")  # fmt: skip
+        if q.get("metadata") is None:  # FlashRAG rows without metadata, or a null one
+            q["metadata"] = {}
+        elif not isinstance(q["metadata"], dict):
+            raise DataError(f"{path}:{n}: metadata must be an object, got {json_type(q['metadata'])}")
         if q.get("id") is None:
             raise DataError(f"{path}:{n}: no id (the rollouts of a question are grouped by its id)")
         qid = str(q["id"])  # as rollout.py's group ids see it: 7 and "7" are one id
@@ -157,6 +170,41 @@ def load_questions(path: Path) -> list[dict]:
     if not numbered:
         raise DataError(f"{path}: no questions")
     return [q for _, q in numbered]
+
+
+SPLITS = ("train", "dev", "test", "val", "validation")  # FlashRAG's file names: <dataset>/<split>.jsonl
+
+
+def benchmark_name(path: Path) -> str:
+    """The benchmark a question file holds, for tables and logs: FlashRAG's layout names it by its
+    folder (`nq/test.jsonl` -> "nq", `hotpotqa/dev.jsonl` -> "hotpotqa"), any other file by its stem
+    (`data/nq_test.jsonl` -> "nq_test"). A parquet's rows name theirs (`data_source`, benchmarks())."""
+    path = Path(path)
+    return path.parent.name if path.stem in SPLITS and path.parent.name else path.stem
+
+
+def benchmarks(paths: list[Path], max_questions: int = 0) -> dict[str, list[dict]]:
+    """name -> questions, one entry per benchmark in the files: a FlashRAG file is one (named by
+    benchmark_name), a Search-R1 parquet one per `data_source` (its merged test.parquet: seven).
+    Two inputs that would share a name are a DataError in one line; `max_questions` (> 0) keeps the
+    first that many of each benchmark.
+
+    >>> benchmarks([Path("flashrag/nq/test.jsonl"), Path("flashrag/hotpotqa/dev.jsonl")])  # doctest: +SKIP
+    {"nq": [...], "hotpotqa": [...]}
+    """
+    out: dict[str, list[dict]] = {}
+    source: dict[str, Path] = {}
+    for path in paths:
+        groups: dict[str, list[dict]] = {}
+        for q in load_questions(path):
+            name = str(q["metadata"].get("dataset") or "") if path.suffix == ".parquet" else ""
+            groups.setdefault(name or benchmark_name(path), []).append(q)
+        for name, qs in groups.items():
+            if name in out:
+                raise DataError(f"{path} and {source[name]} both hold a benchmark named {name!r}: "
+                                "pass one of them, or rename a file or its folder")  # fmt: skip
+            out[name], source[name] = qs[:max_questions] if max_questions else qs, path
+    return out
 
 
 FIRST_TURN_ROOM = 8  # rollout.py ends a rollout with fewer tokens of room than this before it generates
@@ -237,13 +285,15 @@ def _read_jsonl_numbered(path: Path) -> list[tuple[int, dict]]:
 
 
 def read_parquet_questions(path: Path) -> list[dict]:
-    """Search-R1's parquet (scripts/data_process/nq_search.py) as FlashRAG-style dicts.
+    """Search-R1's parquet (scripts/data_process/qa_search_{train,test}_merge.py) as FlashRAG-style dicts.
 
-    Its rows keep the FlashRAG columns (id, question, golden_answers) beside verl's own
-    (data_source, prompt, reward_model.ground_truth.target, extra_info.index); the plain
-    question is preferred: `prompt` holds it wrapped in Search-R1's instruction.
-      {"id": "test_0", "question": "who wrote ...", "golden_answers": ["x"], "data_source": "nq"}
-    -> {"id": "test_0", "question": "who wrote ...", "golden_answers": ["x"], "metadata": {"dataset": "nq"}}
+    Its rows keep the FlashRAG columns (id, question, golden_answers, metadata) beside verl's own
+    (data_source, prompt, ability, reward_model.ground_truth.target, extra_info.{split,index}); the
+    plain question is preferred (`prompt` holds it wrapped in Search-R1's instruction). A row with a
+    data_source gets an id within it, `<data_source>/<id>` (load_questions says why):
+      {"id": "train_0", "question": "who wrote ...", "golden_answers": ["x"], "data_source": "nq", ...}
+    -> {"id": "nq/train_0", "question": "who wrote ...", "golden_answers": ["x"], "metadata": {"dataset": "nq"}}
+    Null columns (a merged file's metadata fields that one source lacks) read as missing.
     """
     import pyarrow.parquet as pq
 
@@ -255,9 +305,31 @@ def read_parquet_questions(path: Path) -> list[dict]:
     for n, row in enumerate(rows):
         truth = (row.get("reward_model") or {}).get("ground_truth") or {}
         golden = row.get("golden_answers") or truth.get("target") or []
-        question = row.get("question") or ((row.get("prompt") or [{}])[-1].get("content", ""))
-        qid = row.get("id") or (row.get("extra_info") or {}).get("index", n)
-        meta = dict(row.get("metadata") or {}) | ({"dataset": row["data_source"]} if row.get("data_source") else {})
+        question = row.get("question")
+        if question is None:
+            question = _prompt_text(row.get("prompt"))
+        qid = row.get("id")
+        if qid is None:
+            qid = (row.get("extra_info") or {}).get("index", n)
+        source = row.get("data_source")
+        meta = row.get("metadata")
+        if isinstance(meta, str):  # prepare_data.py writes metadata whose fields clash in type as JSON text
+            try:
+                meta = json.loads(meta)
+            except json.JSONDecodeError:
+                raise DataError(f"{path}:{n + 1}: metadata is text but not JSON") from None
+        if source:
+            meta = (meta if isinstance(meta, dict) else {}) | {"dataset": source}
+            qid = f"{source}/{qid}"
         golden = golden if isinstance(golden, str) else list(golden)  # list("Paris"): letters; refused later
         out.append({"id": str(qid), "question": question, "golden_answers": golden, "metadata": meta})
     return out
+
+
+def _prompt_text(prompt) -> str | None:
+    """The text of verl's `prompt` column: chat messages (its last message's content) or plain text."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list | tuple) and prompt and isinstance(prompt[-1], dict):
+        return prompt[-1].get("content")
+    return None

@@ -101,7 +101,8 @@ SUMMARY_KEYS = (  # (metric, label): what the end-of-run table shows, where the 
 
 
 def summary_table(before: dict, after: dict, steps: int, minutes: float) -> str:
-    """The short human table at the end of a run: validation before -> after, per question type.
+    """The short human table at the end of a run: validation before -> after, per benchmark (the
+    validation file's data_sources, eval.summarize) and per question type.
 
     >>> print(summary_table({"em": 0.1, "em_2hop": 0.0}, {"em": 0.5, "em_2hop": 0.4}, 20, 3.2))
     validation after 20 steps (3.2 min)   before   after
@@ -109,7 +110,8 @@ def summary_table(before: dict, after: dict, steps: int, minutes: float) -> str:
       EM, 2-hop                            0.000   0.400  (+0.400)
     """
     lines = [f"{f'validation after {steps} steps ({minutes:.1f} min)':<37} {'before':>6}   {'after':>5}"]
-    for key, label in SUMMARY_KEYS:
+    per_benchmark = [(k, f"EM, {k.removeprefix('em/')}") for k in sorted(after) if k.startswith("em/")]
+    for key, label in [*SUMMARY_KEYS[:1], *per_benchmark, *SUMMARY_KEYS[1:]]:
         b = before.get(key)
         if key in after and (key.startswith("em") or after[key] or b):  # 0 -> 0: a metric this run has not
             first = f"{b:6.3f}" if b is not None else f"{'–':>6}"

@@ -1,0 +1,134 @@
+"""Search-R1's train and test parquets from FlashRAG's dataset files, offline.
+
+    python prepare_data.py --flashrag data/flashrag --out data/nq_hotpotqa
+    # data/nq_hotpotqa/train.parquet   nq train + hotpotqa train             (169,615 rows)
+    # data/nq_hotpotqa/test.parquet    the seven benchmarks, test or dev     (51,713 rows)
+    python prepare_data.py --flashrag data/flashrag --out data/nq --train nq --test nq   # nq_search.py's
+
+`--flashrag` is a copy of the RUC-NLPIR/FlashRAG_datasets dataset repository: one folder per
+benchmark, `<dataset>/<split>.jsonl`, rows {"id": "test_0", "question", "golden_answers": [..],
+"metadata"?: {..}}. The output is what Search-R1's scripts/data_process/qa_search_train_merge.py
+and qa_search_test_merge.py write (read at Search-R1 a14dc3a; its data_process.sh runs them with
+nq,hotpotqa and nq,triviaqa,popqa,hotpotqa,2wikimultihopqa,musique,bamboogle), row for row:
+
+    id, question, golden_answers     FlashRAG's, kept (ids repeat across sources: train_0 ...)
+    question                         stripped, "?" appended unless it ends with one
+    data_source                      the dataset's name ("nq", "hotpotqa", ...)
+    prompt                           [{"role": "user", "content": make_prefix(question)}]
+    ability, reward_model            "fact-reasoning", {"style": "rule", "ground_truth": {"target": golden}}
+    extra_info                       {"split": "train" | "test", "index": row within its source}
+    metadata                         last column; null for a source without it (nq, triviaqa, bamboogle)
+
+Each test benchmark uses its test split, else dev, else train (the test script's rule: hotpotqa,
+2wikimultihopqa and musique have no test split, so their dev split is the "test" set). The merge
+scripts read the same files through the `datasets` library; this reads the jsonl directly, so it
+needs neither `datasets` nor the network. Each input is checked as training checks it
+(trainer.data.load_questions: a bad line names file:line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from agent.protocols import SEARCH_R1_PREFIX, search_r1_question
+from trainer.config import DataError
+from trainer.data import load_questions
+
+TRAIN = ("nq", "hotpotqa")  # Search-R1 §4: NQ + HotpotQA training sets (scripts/nq_hotpotqa/data_process.sh)
+TEST = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")  # its Table 2's seven
+SPLIT_ORDER = {"train": ("train",), "test": ("test", "dev", "train")}  # qa_search_test_merge.py's choice
+
+
+def source_file(flashrag: Path, dataset: str, split: str) -> Path:
+    """The FlashRAG file a split of `dataset` comes from (the test split: test, else dev, else train)."""
+    for name in SPLIT_ORDER[split]:
+        path = flashrag / dataset / f"{name}.jsonl"
+        if path.is_file():
+            return path
+    tried = " or ".join(f"{dataset}/{name}.jsonl" for name in SPLIT_ORDER[split])
+    raise FileNotFoundError(f"{flashrag}: no {tried} (download RUC-NLPIR/FlashRAG_datasets, README 'Search-R1 "
+                            "from its released files')")  # fmt: skip
+
+
+def search_r1_rows(path: Path, dataset: str, split: str) -> list[dict]:
+    """One FlashRAG file as the merge scripts' rows (module docstring), in the file's order.
+
+    >>> search_r1_rows(Path("flashrag/nq/test.jsonl"), "nq", "test")[0]  # doctest: +SKIP
+    {'id': 'test_0', 'question': 'who got the first nobel prize in physics?', 'golden_answers': [...],
+     'data_source': 'nq', 'prompt': [{'role': 'user', 'content': 'Answer the given question. ... Question:
+     who got the first nobel prize in physics?\\n'}], 'ability': 'fact-reasoning', 'reward_model': {'style':
+     'rule', 'ground_truth': {'target': [...]}}, 'extra_info': {'split': 'test', 'index': 0}, 'metadata': None}
+    """
+    rows = []
+    for index, q in enumerate(load_questions(path)):
+        question = search_r1_question(q["question"])
+        rows.append({
+            "id": q["id"], "question": question, "golden_answers": q["golden_answers"], "data_source": dataset,
+            "prompt": [{"role": "user", "content": SEARCH_R1_PREFIX.format(question=question)}],
+            "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": q["golden_answers"]}},
+            "extra_info": {"split": split, "index": index},
+            "metadata": q["metadata"] or None,  # load_questions reads a missing one as {}
+        })  # fmt: skip
+    return rows
+
+
+def write_parquet(rows: list[dict], path: Path) -> None:
+    """Rows -> parquet, metadata as one struct over every source's fields (a field a source lacks is
+    null), as `datasets.concatenate_datasets` merges them. Metadata whose fields disagree in type
+    across sources cannot be one struct: it is written as JSON text, which load_questions reads too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        print(f"{path.name}: metadata fields differ in type across sources ({str(e).splitlines()[0]}); "
+              "writing metadata as JSON text", flush=True)  # fmt: skip
+        table = pa.Table.from_pylist([r | {"metadata": json.dumps(r["metadata"])} for r in rows])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def prepare(flashrag: Path, out: Path, train: list[str], test: list[str]) -> dict[str, int]:
+    """train.parquet and test.parquet under `out`; returns rows per file. Every input is found and
+    checked before anything is written."""
+    files = {split: [(d, source_file(flashrag, d, split)) for d in names]
+             for split, names in (("train", train), ("test", test)) if names}  # fmt: skip
+    counts = {}
+    for split, sources in files.items():
+        rows = []
+        for dataset, path in sources:
+            part = search_r1_rows(path, dataset, split)
+            print(f"  {split}: {dataset:<16} {len(part):>7} rows from {path}", flush=True)
+            rows += part
+        write_parquet(rows, out / f"{split}.parquet")
+        counts[split] = len(rows)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flashrag", required=True, help="folder of FlashRAG's <dataset>/<split>.jsonl files")
+    parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
+    parser.add_argument("--train", default=",".join(TRAIN), help="datasets of train.parquet, in order "
+                        "(default nq,hotpotqa; empty: none)")  # fmt: skip
+    parser.add_argument("--test", default=",".join(TEST), help="datasets of test.parquet, in order "
+                        "(default the seven of Search-R1 Table 2; empty: none)")  # fmt: skip
+    args = parser.parse_args(argv)
+    names = lambda text: [n.strip() for n in text.split(",") if n.strip()]  # noqa: E731
+    try:
+        counts = prepare(Path(args.flashrag), Path(args.out), names(args.train), names(args.test))
+    except (DataError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    for split, n in counts.items():
+        print(f"wrote {Path(args.out) / f'{split}.parquet'} ({n} rows)")
+
+
+if __name__ == "__main__":
+    main()
