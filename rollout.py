@@ -1,6 +1,6 @@
 """Multi-turn search rollouts: one tool loop for every paper's agent protocol.
 
-One call, `rollout_batch`, turns questions into rollout records (DESIGN.md §2). The protocol
+One call, `rollout_batch`, turns questions into rollout records (docs/design.md §2). The protocol
 (`rollout.protocol`, agent/protocols.py: search_r1, bapo, deliberative, webfilter) decides the prompt,
 the stop strings, how a turn's text becomes tool calls and how results are shown; the loop and
 the token bookkeeping below are the same for all. Search-R1, the default:
@@ -30,7 +30,7 @@ turn with neither gets Search-R1's invalid-action text (loss_mask 0, no tags) an
 string, as Search-R1 does; the policy's tokens are still kept as generated (Search-R1 decodes and
 re-encodes them).
 
-Token bookkeeping, the part the reference implementations get wrong (DESIGN §7):
+Token bookkeeping, the part the reference implementations get wrong (docs/design.md §7):
   * the policy's token ids are kept exactly as the engine generated them, never decoded and
     re-encoded; only the appended tool text is tokenised;
   * `loss_mask` is 1 on policy tokens and 0 on retrieved tokens (the prompt is not part of

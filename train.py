@@ -12,7 +12,7 @@ update_stage with grpo_step / ppo_update / rft_step, sync_stage, then run_eval a
   1. rollout   G trajectories per question with the current policy (rollout.py), searching
                the corpus mid-thought; records keep token ids, loss mask and sampling logprobs
   2. reward    r_i = EM(answer_i, golden) (Search-R1 §3.4), or any `train.reward` of rewards.py
-  3. advantage A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (GRPO, DESIGN.md §4),
+  3. advantage A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (GRPO, docs/design.md §4),
                the same A_i for every token of rollout i; a group with equal rewards has A = 0
   4. loss      per policy token t (loss_mask = 1; retrieved tokens never count):
                  rho_t = exp(log pi_theta - log pi_old)          pi_old = the engine's logprobs
@@ -70,7 +70,7 @@ from report.metrics import batch_metrics, paper_metrics
 from rewards import BapoState, bapo_resample_groups, check_reward, score
 from rollout import check_chat_template, rollout_batch
 from search.server import RetrieverError
-from search.tools import make_search_fn
+from search.tools import check_retriever, make_search_fn
 from trainer.checkpoint import (
     check_writable,
     latest_checkpoint,
@@ -87,7 +87,7 @@ from trainer.constraints import dual_update, parse_constraints, reward_params, s
 from trainer.constraints import restore as restore_constraints
 from trainer.constraints import state as constraint_state
 from trainer.constraints import step as constraints_step
-from trainer.data import check_prompt_lengths, data_paths, ensure_policy, load_questions
+from trainer.data import check_prompt_lengths, data_paths, ensure_policy, first_of_each_benchmark, load_questions
 from trainer.distributed import (
     all_reduce,
     broadcast,
@@ -312,6 +312,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
     if cfg.data.corpus or cfg.data.train:
         data_paths(cfg)  # given files: fail on a bad path before building anything
+    check_retriever(cfg.retriever)  # a paper config's server, not started: one line before anything loads
     if rank == 0:  # builds the tiny world once; the other ranks wait, then find it cached
         start_dir = resume_from or ensure_policy(cfg, run)
     wait_for_main(world, "policy")  # rank 0 builds the world / warm start (10-20 min): no dist_timeout
@@ -353,7 +354,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         # validation always measures faithfulness; on the tiny world the rule judge does it for any run
         judge or (make_judge("rule") if not cfg.data.corpus else None),
         train_q,
-        val_q[: cfg.eval.max_questions] if cfg.eval.max_questions else val_q,
+        first_of_each_benchmark(val_q, cfg.eval.max_questions),  # per data_source: the seven, not NQ's first rows
         random.Random(cfg.train.seed),  # the question order
         engine_gib=engine_gib,
     )  # fmt: skip

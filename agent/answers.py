@@ -8,7 +8,7 @@
     char_f1("Velor", ["Velot"])           # 0.8  (character level; BAPO §2.2)
 
 The parser reads the *response* (policy text plus tool outputs, never the prompt, whose example
-"<answer> Paris </answer>" would otherwise score; DESIGN.md §7). Tags: think, search, tool_call,
+"<answer> Paris </answer>" would otherwise score; docs/design.md §7). Tags: think, search, tool_call,
 read, information / result / tool_response (what tools write back), confidence, answer. Text
 inside a tool's block is never the policy's: an answer planted in a retrieved passage does not
 count. Malformed text never raises; it shows up as format flags (structure_ok, tags_balanced,

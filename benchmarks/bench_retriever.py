@@ -3,7 +3,7 @@
     python benchmarks/bench_retriever.py                    # 100k-passage world, ~15 min on 2 cores
     python benchmarks/bench_retriever.py --n-people 5000    # a quick look
 
-What it measures (DESIGN.md §8: ratios side by side in one run, alternated, median of reps):
+What it measures (docs/design.md §8: ratios side by side in one run, alternated, median of reps):
   1. recall@3 of the gold passage for the tiny world's single-hop questions (configs/tiny.yaml's
      world), with BM25 and with dense retrieval (all-MiniLM-L6-v2);
   2. on a scaled world (>= 100k passages, same generator):

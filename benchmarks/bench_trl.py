@@ -142,7 +142,7 @@ grad b=0.04, 10+10 rollouts          seq-mean-token-sum-norm <-> dr_grpo  3.47e-
     GRPOTrainer._compute_loss) multiplies per_token_kl by the ratio pi/pi_old (DeepSeek-V3.2), which
     also changes the KL gradient on-policy, and logs the weighted KL; ours adds beta * k3
     unweighted. Aligned: use_bias_correction_kl=False (every other b=0.04 row).
-[3] k3 clamp: ours clamps k3 to [-10, 10] (grpo.kl_estimate, DESIGN §4, as verl's low_var_kl);
+[3] k3 clamp: ours clamps k3 to [-10, 10] (grpo.kl_estimate, docs/design.md §4, as verl's low_var_kl);
     TRL's per_token_kl in GRPOTrainer._compute_loss is not clamped. Probe: ref = logp + 3 on every
     5th policy token (k3 = 16.1). Aligned: grpo.kl_estimate without the clamp, patched in this
     process for those rows only.
@@ -604,7 +604,7 @@ def check_conventions(f: Fixture) -> None:
     far_inputs = f.inputs | {"ref_per_token_logps": far}
     far_full = f.ref_full.clone()
     far_full[:, P - 1 : P - 1 + C] = far
-    clamp_note = ("k3 clamp: ours clamps k3 to [-10, 10] (grpo.kl_estimate, DESIGN §4, as verl's low_var_kl); "
+    clamp_note = ("k3 clamp: ours clamps k3 to [-10, 10] (grpo.kl_estimate, docs/design.md §4, as verl's low_var_kl); "
                   "TRL's per_token_kl in GRPOTrainer._compute_loss is not clamped. Probe: ref = logp + 3 on every "
                   "5th policy token (k3 = 16.1). Aligned: grpo.kl_estimate without the clamp, patched in this "
                   "process for those rows only.")  # fmt: skip

@@ -1,6 +1,6 @@
 """The corpus an index is built on: a wiki-18 style jsonl, read as byte spans, never loaded whole.
 
-Corpus format (DESIGN.md §3): one passage per line,
+Corpus format (docs/design.md §3): one passage per line,
 `{"id": str, "contents": "\\"Title\\"\\ntext", "url"?, "domain"?, "date"?}`.
 
     corpus = scan_corpus("cache/tiny-xxxx/corpus.jsonl")   # one pass: byte spans, ids checked

@@ -1,6 +1,6 @@
 """A local search engine over a wiki-18 style corpus: BM25, dense (E5 / MiniLM + faiss), hybrid.
 
-The corpus (DESIGN.md §3's wiki-18 jsonl) is read through corpus.py: byte spans, never a list.
+The corpus (docs/design.md §3's wiki-18 jsonl) is read through corpus.py: byte spans, never a list.
 An index is a directory built once and reloaded with mmap (`python retriever.py build ...`,
 the command line over this module).
 
@@ -11,7 +11,7 @@ In Python:
     format_hits(hits[0])
     # 'Doc 1(Title: Tavi Morek) Tavi Morek was born in the city of Velor.\\nDoc 2(Title: ...'
 
-Design choices, each against a pitfall in DESIGN.md §7:
+Design choices, each against a pitfall in docs/design.md §7:
   * The corpus is never loaded as a list (corpus.py); `load_index` refuses a corpus whose ids
     or size differ from the one the index was built on.
   * BM25 (bm25s) uses one tokenizer for documents and queries: lower-case words, English
@@ -29,7 +29,7 @@ Design choices, each against a pitfall in DESIGN.md §7:
     build it once (ensure_index).
 
 Import order matters on vLLM CPU: bm25s imports numba, and a vLLM engine constructed after
-that fails to start (DESIGN §6). bm25s, faiss and the encoder are imported only inside the
+that fails to start (docs/design.md §6). bm25s, faiss and the encoder are imported only inside the
 functions that need them, and `engine.make_engine` refuses to start once numba is loaded.
 """
 

@@ -11,7 +11,7 @@
     GET  /health    {"status": "ok", "n_docs": ..., "requests": ..., "batches": ...}
 
 Existing Search-R1 clients work unchanged against /retrieve. Unlike the reference server
-(DESIGN.md §7), requests are limited: body size, queries per request, characters per query
+(docs/design.md §7), requests are limited: body size, queries per request, characters per query
 and topk are checked, and each violation gets a 4xx naming the limit; the server stays up.
 Malformed input (bad UTF-8 or JSON, lone surrogates, JSON nested too deep, a non-bool
 return_scores) is a 4xx too, a body not received within `body_timeout` s a 408 and a

@@ -7,7 +7,7 @@
 This is the one place that chooses between the index in this process (index.py, with
 WebFilter's operators through web.py) and a retrieval server (search/server.py's client), so both of
 those stay below it. Building an index imports bm25s (numba): call these after vLLM has
-started in the process (DESIGN.md §6).
+started in the process (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from search.index import Index, ensure_index, format_hits, format_hits_search_r1, load_index
-from search.server import http_retrieve
+from search.server import RetrieverError, http_retrieve
 from search.web import operator_search, read, web_search
 from trainer.config import Config, ConfigError
 
@@ -30,6 +30,21 @@ def open_index(rcfg, corpus_path: str | Path = "") -> Index:
     index_dir = rcfg.index or ensure_index(corpus_path, rcfg.method, model, rcfg.index_factory, family)
     return load_index(index_dir, search_params=rcfg.search_params, bm25_backend=rcfg.bm25_backend,
                       encoder=(model, family))  # fmt: skip
+
+
+def check_retriever(rcfg) -> None:
+    """A `retriever.url` that cannot answer one query is a ConfigError in one line, raised before any
+    engine starts (a paper config points at the machine's server: not started, a run would load
+    the model and the engine, then stop at its first search). It gets `retriever.timeout` to
+    answer, as a search does; any server speaking Search-R1's /retrieve passes."""
+    if not rcfg.url:
+        return
+    try:
+        retries = 0 if rcfg.retries == 0 else None  # as open_search: until the timeout
+        http_retrieve(rcfg.url, ["is the retriever up"], 1, timeout=rcfg.timeout, retries=retries)
+    except RetrieverError as e:
+        raise ConfigError(f"retriever.url: {e}. Start it first (python retriever.py serve --index DIR --port N), "
+                          "or set retriever.index to search in process") from None  # fmt: skip
 
 
 def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int], list[list[dict]]]:

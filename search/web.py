@@ -26,7 +26,7 @@ the operators then filter them, widening the candidate pool until k results pass
 corpus has been considered, or MAX_SCAN candidates have been checked (a filter that nothing
 passes would otherwise scan all of wiki-18, minutes per query). Operator words are recognised
 in their upper-case form on the raw query; the text is never lower-cased before that
-(DESIGN.md §7).
+(docs/design.md §7).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Shared fixtures: a micro tiny-world (built for real: world, tokenizer, SFT) and one vLLM engine.
 
-vLLM CPU must start before bm25s/numba is imported in this process (DESIGN.md §6). If any
+vLLM CPU must start before bm25s/numba is imported in this process (docs/design.md §6). If any
 collected test uses `vllm_engine`, the engine is therefore started first, before any test runs.
 """
 

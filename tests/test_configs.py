@@ -1,5 +1,5 @@
 """Every config in configs/ loads (a typo key fails here), and the paper configs hold the values
-DESIGN.md §9 fixes."""
+docs/design.md §9 fixes."""
 
 from pathlib import Path
 

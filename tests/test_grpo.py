@@ -1,4 +1,4 @@
-"""GRPO math against the formulas of DESIGN.md §4, worked by hand."""
+"""GRPO math against the formulas of docs/design.md §4, worked by hand."""
 
 import math
 

@@ -358,7 +358,7 @@ def _random_sets(seed: int):
 @pytest.mark.numeric
 @pytest.mark.parametrize("seed", range(6))
 def test_ece_matches_sklearn(seed):
-    from sklearn.calibration import calibration_curve  # here, not at collection: vLLM starts first (DESIGN §6)
+    from sklearn.calibration import calibration_curve  # here, not at collection: vLLM starts first (docs/design.md §6)
     from sklearn.metrics import brier_score_loss
 
     for p, y in _random_sets(seed):

@@ -1,4 +1,4 @@
-"""PPO pieces (trainer/ppo.py) against DESIGN.md §4, a slow reference GAE and hand-worked numbers;
+"""PPO pieces (trainer/ppo.py) against docs/design.md §4, a slow reference GAE and hand-worked numbers;
 the critic on a tiny Qwen2 built here (no world, no tokenizer)."""
 
 import random
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.numeric  # fp32 PPO math against float64 hand values, a
 
 
 def reference_gae(rewards, values, mask, gamma, lam):
-    """DESIGN §4 GAE, slowly: walk the policy tokens of each row backwards,
+    """docs/design.md §4 GAE, slowly: walk the policy tokens of each row backwards,
     delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, V_next = A_next = 0
     after the last policy token. Only policy positions are filled in."""
     adv = torch.full_like(values, float("nan"))

@@ -126,7 +126,7 @@ def test_the_saved_tiny_tokenizer_loads_as_it_was_trained(tmp_path):
 
 def test_an_sft_start_that_has_not_learnt_to_copy_is_flagged(tmp_path):
     """Too few SFT steps leave a policy that cannot read the city off a passage (copying is
-    learnt in a jump, DESIGN.md §10): tiny/world.py still caches it, and says so on stderr, also
+    learnt in a jump, docs/design.md §10): tiny/world.py still caches it, and says so on stderr, also
     when the periodic probe is off (sft.probe_every 0) and again when the cached start is reused."""
     import subprocess
     import sys

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py runs from
 def build_start(policy: Path, config: str, sets: list[str]) -> None:
     """The tiny world and SFT start `policy` (world_dir of `config` with overrides `sets`, plus
     /policy): built by `python -m tiny.sft` in a process of its own (its teacher imports
-    bm25s/numba, which must not come before a vLLM engine in this process: DESIGN.md §6). A start
+    bm25s/numba, which must not come before a vLLM engine in this process: docs/design.md §6). A start
     built before is kept without starting that process (its imports alone are ~5 s on 2 cores),
     as train.py keeps it."""
     if (policy / "DONE").exists():

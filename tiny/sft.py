@@ -1,4 +1,4 @@
-"""Tokenizer, tiny Qwen2 policy and its SFT warm start on the scripted teacher (DESIGN.md §5).
+"""Tokenizer, tiny Qwen2 policy and its SFT warm start on the scripted teacher (docs/design.md §5).
 
 `ensure_tiny_policy(cfg)` builds, once per config, under `cache/tiny-<key>/`:
   corpus.jsonl, {train,val,test}.jsonl   the world (tiny/world.py)
@@ -14,7 +14,7 @@ always masks retrieved tokens): predicting the retrieved passage is itself a cop
 context early.
 
 The main cost of the tiny world is the moment the policy starts copying the answer from the
-retrieved passage (DESIGN §10: 23 minutes in a prototype). Measured here, 2 cores, same
+retrieved passage (docs/design.md §10: 23 minutes in a prototype). Measured here, 2 cores, same
 3.2M-parameter model, held-out "copy accuracy" (the city read off the passage into the think
 block, teacher-forced):
   policy-only targets, top-3 passages            0.00 at step 400 (stopped)
@@ -268,7 +268,7 @@ def warn_if_it_cannot_copy(policy_dir: Path) -> None:
     if probes and probes[-1]["copy_acc"] < MIN_COPY_ACC:
         print(f"WARNING: {policy_dir} copies the city off the passage on {probes[-1]['copy_acc']:.0%} of held-out "
               f"questions (< {MIN_COPY_ACC:.0%}): RL from it searches in vain. Copying is learnt in a jump "
-              f"(DESIGN.md §10); raise sft.steps.", file=sys.stderr)  # fmt: skip
+              f"(docs/design.md §10); raise sft.steps.", file=sys.stderr)  # fmt: skip
 
 
 def ensure_tiny_policy(cfg: Config) -> Path:

@@ -3,7 +3,7 @@
 A pretrained instruct model (SmolLM2, Qwen2.5-Instruct, ...) does not write Search-R1's tags on
 the tiny world: every rollout scores 0, every group's advantages are 0, and GRPO has no signal
 (train.py warns). The tiny policy gets its format from SFT on scripted teacher trajectories
-(tiny/sft.py, DESIGN.md §5); this file does the same for a model you bring, with `sft.warm_start: true`:
+(tiny/sft.py, docs/design.md §5); this file does the same for a model you bring, with `sft.warm_start: true`:
 
     the teacher's trajectory, as segments          rendered for the model, token by token
     ("<think> I need .. </think><search> X</search>", policy)  -> prompt_ids(): the chat template,
@@ -20,7 +20,7 @@ vocabulary: nothing is resized.
 
 The result is cached under `cache/warm-<key>/policy` (the key: the model directory, the world,
 the SFT, prompt and retrieval settings) and train.py / eval.py start from it. Built in a child
-process by data.ensure_policy (bm25s must not be imported before vLLM starts, DESIGN.md §6).
+process by data.ensure_policy (bm25s must not be imported before vLLM starts, docs/design.md §6).
 
 Run: `python -m tiny.warm_start --config configs/smollm2.yaml` prints the policy directory.
 """

@@ -1,6 +1,6 @@
 """The embedded tiny world: a made-up encyclopedia, its questions and a scripted teacher.
 
-DESIGN.md §5. Everything is invented (people, cities, countries), so no model can answer from
+docs/design.md §5. Everything is invented (people, cities, countries), so no model can answer from
 memory: searching is necessary, which makes the effect of RL visible on a laptop.
 
     world = generate_world(WorldConfig(seed=0))
@@ -19,7 +19,7 @@ Question types:
   2hop  "In which country was P born?"     -> the country (two searches: "P born", "C country")
 
 The teacher (`teacher_segments`) writes Search-R1-format trajectories and is deliberately
-imperfect (DESIGN §5): on a 2-hop question it often guesses the country after the first hop,
+imperfect (docs/design.md §5): on a 2-hop question it often guesses the country after the first hop,
 and it sometimes answers without searching. RL has to discover that the second search pays.
 
 The questions of each split are about disjoint sets of people, so validation and test ask

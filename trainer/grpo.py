@@ -4,7 +4,7 @@
     stats = grpo_step(model, ref_model, records, optimizer, cfg, pad_id, step)   # steps 4-5
 
 The equations (GRPO with a search engine, Search-R1 §3.1: the retrieved tokens masked out of
-the loss and of its KL term; with DESIGN.md §4's options):
+the loss and of its KL term; with docs/design.md §4's options):
 
   advantage  A_i = (r_i - mean(r_group)) / (std(r_group) + eps), the same A_i for every token of
              rollout i; a group with equal rewards has A = 0 (adv_std: group / batch / none)
@@ -80,7 +80,7 @@ def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman 2020; DESIGN §4):
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman 2020; docs/design.md §4):
     k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 ("low_var_kl") = exp(ref - logp) - (ref - logp) - 1,
     clamped to [-10, 10]. k1 is unbiased but noisy, k3 unbiased and >= 0, k2 biased but low-variance."""
     log_ratio = logp - ref_logp
@@ -131,7 +131,7 @@ def grpo_token_loss(
 
 
 def loss_weights(policy_tokens: list[int], mode: str, norm: int) -> list[float]:
-    """Per-sequence weight w_i so that the loss is sum_i w_i sum_t m_it l_it (DESIGN §4):
+    """Per-sequence weight w_i so that the loss is sum_i w_i sum_t m_it l_it (docs/design.md §4):
 
       token-mean               w_i = 1 / sum_j n_j           (every policy token counts the same)
       seq-mean-token-mean      w_i = 1 / (N n_i)             (every rollout counts the same)

@@ -1,6 +1,6 @@
 """PPO pieces for train.py (`train.algo: ppo`): per-token rewards, GAE, whitening, the critic.
 
-Search-R1's PPO (DESIGN.md §4, §9): a critic, a value head on its own copy of the base model,
+Search-R1's PPO (docs/design.md §4, §9): a critic, a value head on its own copy of the base model,
 gives V_t for every position; the sequence reward goes on the last policy token, the k1 KL to
 the reference is subtracted on every policy token; GAE (Schulman et al. 2016) turns rewards
 and values into advantages, whitened over the batch's policy tokens:
@@ -10,7 +10,7 @@ and values into advantages, whitened over the batch's policy tokens:
   A_t     = delta_t + gamma * lam * A_next(t)         R_t = A_t + V_t  (the critic's target)
   value loss = 0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2), token-mean
 
-Masking (DESIGN §7 asks to decide): next(t) is the next *policy* token, not the next position.
+Masking (docs/design.md §7 asks to decide): next(t) is the next *policy* token, not the next position.
 Retrieved <information> tokens and padding (mask 0) are not time steps: the recursion passes
 V_next and A_next through them unchanged, so a policy token just before an <information> block
 bootstraps from the value of the first policy token after it, and a masked position gets the
