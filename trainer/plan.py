@@ -144,12 +144,7 @@ def load_arch(model: ModelConfig) -> Arch:
     path = Path(model.path)
     cfg_file = path / "config.json"
     if cfg_file.is_file():
-        try:
-            c = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}); cannot size the model") from None
-        if not isinstance(c, dict):
-            raise ConfigError(f"{cfg_file} must hold a JSON object; cannot size the model")
+        c = read_config_json(cfg_file, "the model")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
                     "num_key_value_heads", "head_dim"):  # fmt: skip
             value = c.get(key)
@@ -237,12 +232,17 @@ def encoder_config(path: Path | None) -> dict | None:
     cfg_file = path / "config.json" if path else None
     if cfg_file is None or not cfg_file.is_file():
         return None
+    return read_config_json(cfg_file, "the encoder")
+
+
+def read_config_json(cfg_file: Path, what: str) -> dict:
+    """A transformers config.json as a dict; not JSON, or not an object, is a ConfigError naming it."""
     try:
         c = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}); cannot size the encoder") from None
+        raise ConfigError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}); cannot size {what}") from None
     if not isinstance(c, dict):
-        raise ConfigError(f"{cfg_file} must hold a JSON object; cannot size the encoder")
+        raise ConfigError(f"{cfg_file} must hold a JSON object; cannot size {what}")
     return c
 
 
