@@ -8,7 +8,7 @@
                     (return_scores false: {"result": [[document, ...]]}, as Search-R1's server)
     POST /search    {"query": "Tavi Morek site:tinypedia.org", "topk": 5}   web_search (operators)
     POST /read      {"id": "p17", "max_tokens": 512}                          read one source
-    GET  /health    {"status": "ok", "n_docs": ..., "requests": ..., "batches": ...}
+    GET  /health    {"status": "ok", "n_docs": ..., "requests": ..., "batches": ..., "dropped": ..., "answered": ...}
 
 Existing Search-R1 clients work unchanged against /retrieve. Unlike the reference server
 (docs/design.md §7), requests are limited: body size, queries per request, characters per query
@@ -137,7 +137,7 @@ def create_app(index, limits: Limits):
     from fastapi.responses import JSONResponse, Response
 
     app = FastAPI(title="search-agent retriever")
-    stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0}
+    stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0, "answered": 0}
     queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request, return_scores)
     worker: list[asyncio.Task] = []
 
@@ -189,6 +189,7 @@ def create_app(index, limits: Limits):
                         body = await asyncio.to_thread(reply_body, mine, entry[1], entry[4])
                         if not entry[2].done():
                             entry[2].set_result(body)
+                            stats["answered"] += 1
             except Exception as e:  # noqa: BLE001 - answered as a 500 to every request still waiting
                 for b in batch:
                     if not b[2].done():

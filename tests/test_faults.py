@@ -79,6 +79,7 @@ def test_faults_leave_retrieve_answering_within_a_second(index):
                 urllib.request.urlopen(req, timeout=5)
             assert e.value.code == 400 and b"nested too deeply" in e.value.read()
         time.sleep(0.2)  # the aborted requests are read and queued
+        answered_before = health(url)["answered"] - 1  # the warm-up's; a fast machine answers a batch in 0.2 s
         for s in aborted:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset
             s.close()
@@ -87,6 +88,12 @@ def test_faults_leave_retrieve_answering_within_a_second(index):
         assert len(hits[0]) == 3 and time.monotonic() - t < 1.0
         replies = [answer(s) for s in slow]  # each a 408 after 0.5 s, then a closed connection
         assert all(r.startswith(b"HTTP/1.1 408") for r in replies), replies[0][:200]
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            health = json.loads(r.read())
-        assert health["status"] == "ok" and health["dropped"] >= N_ABORTED - 2
+        after = health(url)
+        # every aborted request not answered before its client left is dropped, but for the batch
+        # that was being searched as they left (at most max_queries // 128 = 4 requests)
+        assert after["status"] == "ok" and after["dropped"] >= N_ABORTED - answered_before - 4, (after, answered_before)
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        return json.loads(r.read())
