@@ -121,7 +121,7 @@ from trainer.distributed import (
     shard_reference,
     trainer_threads,
 )
-from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engine
+from trainer.engine import check_engine_logprobs, empty_policy, load_policy, load_tokenizer, make_engine
 from trainer.faults import (
     Interrupted,
     interrupted,
@@ -445,6 +445,7 @@ def rollout_stage(p: RunParts, questions: list[dict], step: int) -> tuple[list[d
     """1. G rollouts per question (and BAPO's resampled groups): (records, groups resampled)."""
     cfg = p.cfg
     records = roll_out(p, questions, cfg.train.seed * 100003 + step)
+    check_engine_logprobs(records, cfg.rollout.engine, step + 1)  # NaN from the engine: named as its own
     resampled = 0
     if cfg.train.resample_groups > 0:
         records, resampled = resample_marked_groups(records, questions, lambda qs, seed: roll_out(p, qs, seed), cfg,
