@@ -51,11 +51,26 @@ for; the update math is trainer/grpo.py and trainer/ppo.py, everything else is i
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+
+def _interrupted_while_starting(signum: int, _frame) -> None:
+    """Ctrl-C or SIGTERM while the imports below load (several seconds): one line, not the
+    traceback of whichever import it landed in; nothing has been written yet. main() hands the
+    signals to trainer.faults.stop_on_signals once the run starts."""
+    sys.stderr.write(f"interrupted while starting ({signal.Signals(signum).name}): nothing was written\n")
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":  # a script only: a test or benchmark importing train.py keeps its own handlers
+    for _signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signal, _interrupted_while_starting)
+
 import argparse
 import json
-import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +121,7 @@ from trainer.distributed import (
     shard_reference,
     trainer_threads,
 )
-from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engine
+from trainer.engine import check_engine_logprobs, empty_policy, load_policy, load_tokenizer, make_engine
 from trainer.faults import (
     Interrupted,
     interrupted,
@@ -430,6 +445,7 @@ def rollout_stage(p: RunParts, questions: list[dict], step: int) -> tuple[list[d
     """1. G rollouts per question (and BAPO's resampled groups): (records, groups resampled)."""
     cfg = p.cfg
     records = roll_out(p, questions, cfg.train.seed * 100003 + step)
+    check_engine_logprobs(records, cfg.rollout.engine, step + 1)  # NaN from the engine: named as its own
     resampled = 0
     if cfg.train.resample_groups > 0:
         records, resampled = resample_marked_groups(records, questions, lambda qs, seed: roll_out(p, qs, seed), cfg,

@@ -45,3 +45,19 @@ def test_a_non_finite_weight_is_named(tmp_path):
     with pytest.raises(TrainingFault, match=f"the weight {name} is already non-finite"):
         grpo_step(model, None, [record], opt, cfg, tok.pad_token_id)
     assert not opt.state
+
+
+def test_non_finite_engine_logprobs_are_named_as_the_engines(tmp_path):
+    """A real rollout record whose engine log-probabilities hold a NaN (what vLLM CPU gave under an
+    ATEN_CPU_CAPABILITY it does not tolerate) stops the step naming the engine, before any reward
+    or loss; a NaN on a tool token (logprob 0.0 by construction there) would not be the engine's."""
+    from trainer.engine import check_engine_logprobs
+
+    tok, cfg, model, engine = setup(tmp_path)
+    record = roll(tok, cfg, engine, "P was born in the city of C.")
+    check_engine_logprobs([record], "hf", 1)  # a finite record passes
+    first = record["loss_mask"].index(1)
+    record["logprobs"][first] = math.nan
+    with pytest.raises(TrainingFault, match=r"step 4: the rollout engine \(hf\) returned non-finite log-probabilities "
+                                            r"for 1 of \d+ generated tokens: the engine's numerics"):  # fmt: skip
+        check_engine_logprobs([record], "hf", 4)

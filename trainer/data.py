@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import os
 import subprocess
 import sys
@@ -146,6 +147,7 @@ def load_questions(path: Path) -> list[dict]:
     else:
         numbered = _read_jsonl_numbered(path)
     first_line: dict[str, int] = {}  # id -> the line it was first seen on
+    numbers = 0  # golden answers written as JSON numbers, read as text
     for n, q in numbered:
         question = q.get("question")
         if not isinstance(question, str):  # 42 or null would crash the rollout after the engine started
@@ -157,6 +159,7 @@ def load_questions(path: Path) -> list[dict]:
         if not isinstance(q["golden_answers"], list):  # a bare string would be scored letter by letter
             raise DataError(f"{path}:{n}: golden_answers must be a list, got {q['golden_answers']!r} "
                             f"(id {q.get('id')!r})")  # fmt: skip
+        numbers += _golden_as_text(q, f"{path}:{n}")
         if q.get("metadata") is None:  # FlashRAG rows without metadata, or a null one
             q["metadata"] = {}
         elif not isinstance(q["metadata"], dict):
@@ -169,7 +172,23 @@ def load_questions(path: Path) -> list[dict]:
         first_line[qid] = n
     if not numbered:
         raise DataError(f"{path}: no questions")
+    if numbers:
+        print(f"{path}: {numbers} golden answer(s) written as numbers, read as text (1990 -> \"1990\")", flush=True)
     return [q for _, q in numbered]
+
+
+def _golden_as_text(q: dict, where: str) -> int:
+    """Each golden answer as a non-empty string, in place; returns how many were numbers. The scorers
+    compare text: a number would never match ("1990" vs 1990 scored EM 0 in 88e794b) and an empty
+    answer never can, so anything else (null, "", a list, an object, a boolean) names its line."""
+    converted = 0
+    for i, g in enumerate(q["golden_answers"]):
+        if isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g):
+            q["golden_answers"][i], converted = str(g), converted + 1
+        elif not isinstance(g, str) or not g.strip():
+            raise DataError(f"{where}: golden answer {i + 1} must be a non-empty string or a number, got "
+                            f"{json_type(g)} (id {q.get('id')!r})")  # fmt: skip
+    return converted
 
 
 SPLITS = ("train", "dev", "test", "val", "validation")  # FlashRAG's file names: <dataset>/<split>.jsonl
@@ -246,6 +265,16 @@ def check_prompt_lengths(questions: list[dict], tokenizer, cfg: RolloutConfig, p
     """
     proto = protocols.get(cfg.protocol)
     limit = cfg.max_model_len - FIRST_TURN_ROOM
+    most_bytes = limit * max_token_bytes(tokenizer) * NORMALIZED_SHRINK  # more cannot fit: refused untokenised
+    huge = [i for i, q in enumerate(questions) if len(q["question"]) > most_bytes // 4
+            and len(q["question"].encode("utf-8")) > most_bytes]  # fmt: skip
+    if huge:
+        i, more = huge[0], len(huge) - 1
+        line = _question_lines(Path(path))[i]
+        raise DataError(f"{path}:{line}: question {questions[i]['id']!r} has {len(questions[i]['question'].encode())} "
+                        f"bytes, more than rollout.max_model_len {cfg.max_model_len} tokens can hold with this "
+                        f"tokenizer (at most {most_bytes} bytes)"
+                        + (f" ({more} more question{'s' * (more > 1)} in the file too)" if more else ""))  # fmt: skip
     around = len(prompt_ids(tokenizer, "", cfg, proto))  # the prompt's tokens besides the question's
     alone = tokenizer([str(q["question"]).strip() for q in questions], add_special_tokens=False)["input_ids"]
     near = [i for i, ids in enumerate(alone) if around + len(ids) > limit - SLACK]
@@ -260,6 +289,19 @@ def check_prompt_lengths(questions: list[dict], tokenizer, cfg: RolloutConfig, p
 
 
 SLACK = 64  # tokens: where the exact prompt is built (check_prompt_lengths)
+# How far a tokenizer's normalizer can shrink text before it is split: NFC composing 3 Hangul jamo
+# (9 bytes) into one syllable (3 bytes) is the largest shrink of NFC / NFKC we know of; 4 leaves room.
+NORMALIZED_SHRINK = 4
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most input bytes one token can stand for, bounded by its vocabulary: the longest token
+    string in UTF-8. A byte-level BPE token (Qwen, GPT-2) writes each byte it covers as one
+    character of 1-2 UTF-8 bytes; a SentencePiece piece writes its text ("▁" for a space, 3 bytes
+    for 1) or a byte-fallback "<0xE3>" (6 for 1). So a question of more than
+    limit x this x NORMALIZED_SHRINK bytes cannot fit in `limit` tokens, and is refused before
+    tokenising it: tokenising a 50 MB line took 166-228 s and 13.3 GB (88e794b)."""
+    return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
 
 
 def _question_lines(path: Path) -> list[int]:
@@ -274,6 +316,8 @@ def _jsonl_lines(path: Path):
     alone); a line that is not UTF-8 is a DataError naming it and its column."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
+            if n == 1 and raw.startswith(codecs.BOM_UTF8):  # a file saved "with BOM" (as the corpus reader allows)
+                raw = raw[len(codecs.BOM_UTF8) :]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
