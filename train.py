@@ -258,6 +258,11 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             log(run, {"step": 0, "eval": ev})
             track(p.trackers, {"step": 0, "eval": ev})
             print(f"step 0 eval: {json.dumps(ev)}", flush=True)
+            if ev.get("format_ok") == 0.0:  # a trained start never does this: the engine's output is garbage
+                print(f"warning: not one validation rollout of the starting policy is well-formed (format 0.00 of "
+                      f"{ev['n']}); if it was trained on rollout.protocol {cfg.rollout.protocol!r}, suspect the "
+                      f"rollout engine ({cfg.rollout.engine}) and any CPU kernel override (results/cpu_kernels.md)",
+                      flush=True)  # fmt: skip
     bar = tqdm(range(p.step0, cfg.train.steps), desc=cfg.train.algo, initial=p.step0, total=cfg.train.steps,
                disable=not p.main)  # fmt: skip
     for step in bar:
