@@ -82,7 +82,7 @@ from trainer.checkpoint import (
     verified_checkpoint,
     write_samples,
 )
-from trainer.config import Config, ConfigError, DataError, RunDirError, TrainingFault, load_config
+from trainer.config import Config, ConfigError, DataError, RunDirError, TrainingFault, config_to_dict, load_config
 from trainer.constraints import dual_update, parse_constraints, reward_params, switch_on
 from trainer.constraints import restore as restore_constraints
 from trainer.constraints import state as constraint_state
@@ -531,7 +531,7 @@ def save_stage(p: RunParts, step: int) -> None:
         "bapo": vars(p.bapo) if p.bapo else None,
     }  # fmt: skip
     save_checkpoint(p.run, step + 1, p.model, p.tokenizer, p.optimizer, trainer_state, p.cfg.train.keep_checkpoints,
-                    p.critic, p.rank, p.world, p.critic_opt)  # fmt: skip
+                    p.critic, p.rank, p.world, p.critic_opt, config_to_dict(p.cfg))  # fmt: skip
 
 
 def resume_hint(run: Path) -> str:

@@ -14,6 +14,8 @@
                            BAPO stage
         metrics.jsonl      the run's metrics up to step k (restored on resume, so the log has
                            no rows from steps that will be redone)
+        config.yaml        the config steps up to k were trained with: what a resume compares
+                           the run's config with (trainer/rundir.py)
 
 A checkpoint is written into `step_<k>.tmp`, flushed to the disk (fsync), and renamed when
 complete, so a crash or a power cut while saving never leaves a half checkpoint that looks whole;
@@ -113,8 +115,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_state: dict, keep: int = 2,
-                    critic=None, rank: int = 0, world: int = 1, critic_optimizer=None) -> Path:  # fmt: skip
+                    critic=None, rank: int = 0, world: int = 1, critic_optimizer=None,
+                    config: dict | None = None) -> Path:  # fmt: skip
     """Write step_<step> atomically (temp dir, fsync, then rename) and drop all but the newest `keep`.
+    `config` (config_to_dict of the run's Config) goes in as config.yaml: what a resume compares with.
     Every process calls it: under FSDP the full weights are gathered tensor by tensor and written
     by rank 0, and each process writes its own shard of the optimizer state. A write that fails
     (disk full, read-only) removes the partial step_<step>.tmp, which would otherwise hold the disk
@@ -149,6 +153,8 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
         if rank == 0:
             tokenizer.save_pretrained(tmp)
             torch.save({"step": step, "rng": rng_state(), "world": world} | trainer_state, tmp / "trainer_state.pt")
+            if config is not None:  # not run/config.yaml's copy: that file may be edited while the run goes on
+                (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             if (run / "metrics.jsonl").exists():
                 shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
             _fsync_tree(tmp)  # every process's files are written (barrier above): on the disk before the rename
