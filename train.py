@@ -120,6 +120,7 @@ from trainer.lora import add_lora, load_lora, merged_weights
 from trainer.plan import print_plan
 from trainer.ppo import critic_optimizer, load_critic, ppo_update
 from trainer.precision import describe as describe_precision
+from trainer.rundir import own_run_dir
 from trainer.tracking import check_report_to, close_trackers, open_trackers, summary_table, track
 
 # ---------------------------------------------------------------------------------------------
@@ -610,6 +611,7 @@ def main(argv: list[str] | None = None) -> None:
             run = Path(args.resume)
             cfg = load_config(run / "config.yaml", args.set)
             check_reward(cfg.train.reward, cfg.train.reward_params, cfg.train.constraints)  # before any engine
+            own_run_dir(run)  # one process per run directory: a second is refused, naming the pid that owns it
             # the newest checkpoint that reads back whole, checked before any model loads; a newer broken one
             # is passed over in one line (and left in place), and none intact fails here in one line
             ckpt, passed_over = verified_checkpoint(run)
@@ -626,6 +628,7 @@ def main(argv: list[str] | None = None) -> None:
             rank, world, _ = init(cfg.train.dist_timeout)  # several processes: rank 0 names the run directory
             run, ckpt = Path(broadcast(str(new_run_dir(cfg)) if rank == 0 else "", world)), None
             check_shared_run_dir(run, rank)  # several machines: one filesystem, or one line here
+            own_run_dir(run)
     except (ConfigError, FileNotFoundError, RunDirError) as e:  # RunDirError: run_dir read-only, bad checkpoint
         parser.error(str(e))
     except Interrupted as e:

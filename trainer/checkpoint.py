@@ -1,7 +1,8 @@
 """The run directory, and checkpoints that let a killed run continue exactly where it stopped.
 
     runs/<name>-<time>/
-        config.yaml        the whole config the run used (new_run_dir)
+        config.yaml        the whole config the run uses (new_run_dir)
+        run.lock           held by the process that owns the run (trainer/rundir.py)
         metrics.jsonl      one JSON row per step: batch means, losses, timings, evaluations (log)
         samples/step_<k>.jsonl   the first `train.samples_per_step` rollouts of step k (write_samples)
     runs/<name>-<time>/checkpoints/step_<k>/
@@ -50,6 +51,7 @@ from trainer.config import Config, ConfigError, RunDirError, TrainingFault, conf
 from trainer.distributed import all_reduce, barrier, local_finite, save_full_state
 from trainer.lora import merge_and_save
 from trainer.ppo import save_critic
+from trainer.rundir import make_unique_dir
 
 try:
     from numpy._core.multiarray import _reconstruct
@@ -67,12 +69,13 @@ def _cause(e: OSError) -> str:
 
 
 def new_run_dir(cfg: Config) -> Path:
-    """runs/<name>-<time>/ with the run's config.yaml; an existing directory is an error, and so
-    is one that cannot be made (read-only, under a file, disk full): one line naming the path."""
+    """runs/<name>-<time>/ with the run's config.yaml, or <name>-<time>-2, -3, ... when another run
+    took that name in the same second (rundir.make_unique_dir); one that cannot be made (read-only,
+    under a file, disk full) is one line naming the path."""
     run = Path(cfg.train.run_dir) / f"{cfg.train.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     made = False
     try:
-        run.mkdir(parents=True, exist_ok=False)
+        run = make_unique_dir(run)
         made = True
         (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     except OSError as e:
