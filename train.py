@@ -120,7 +120,7 @@ from trainer.lora import add_lora, load_lora, merged_weights
 from trainer.plan import print_plan
 from trainer.ppo import critic_optimizer, load_critic, ppo_update
 from trainer.precision import describe as describe_precision
-from trainer.rundir import own_run_dir
+from trainer.rundir import check_resume_config, own_run_dir
 from trainer.tracking import check_report_to, close_trackers, open_trackers, summary_table, track
 
 # ---------------------------------------------------------------------------------------------
@@ -620,6 +620,7 @@ def main(argv: list[str] | None = None) -> None:
             if passed_over:
                 print(passed_over, flush=True)
             check_writable(run)  # a read-only run directory fails here too
+            check_resume_config(run, ckpt, cfg, args.set)  # vs the checkpoint's config: no change applied silently
         else:
             cfg = load_config(args.config, args.set)
             parse_constraints(cfg.train.constraints)

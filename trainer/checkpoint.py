@@ -1,8 +1,8 @@
 """The run directory, and checkpoints that let a killed run continue exactly where it stopped.
 
     runs/<name>-<time>/
-        config.yaml        the whole config the run uses (new_run_dir)
-        run.lock           held by the process that owns the run (trainer/rundir.py)
+        config.yaml        the whole config the run uses (new_run_dir; a resume's --set changes: trainer/rundir.py)
+        run.lock, config_changes.jsonl   the process that owns the run; what resumes changed (trainer/rundir.py)
         metrics.jsonl      one JSON row per step: batch means, losses, timings, evaluations (log)
         samples/step_<k>.jsonl   the first `train.samples_per_step` rollouts of step k (write_samples)
     runs/<name>-<time>/checkpoints/step_<k>/
