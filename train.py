@@ -97,7 +97,7 @@ from trainer.checkpoint import (
     verified_checkpoint,
     write_samples,
 )
-from trainer.config import Config, ConfigError, DataError, RunDirError, TrainingFault, load_config
+from trainer.config import Config, ConfigError, DataError, RunDirError, TrainingFault, config_to_dict, load_config
 from trainer.constraints import dual_update, parse_constraints, reward_params, switch_on
 from trainer.constraints import restore as restore_constraints
 from trainer.constraints import state as constraint_state
@@ -135,6 +135,7 @@ from trainer.lora import add_lora, load_lora, merged_weights
 from trainer.plan import print_plan
 from trainer.ppo import critic_optimizer, load_critic, ppo_update
 from trainer.precision import describe as describe_precision
+from trainer.rundir import check_resume_config, own_run_dir
 from trainer.tracking import check_report_to, close_trackers, open_trackers, summary_table, track
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +553,7 @@ def save_stage(p: RunParts, step: int) -> None:
         "bapo": vars(p.bapo) if p.bapo else None,
     }  # fmt: skip
     save_checkpoint(p.run, step + 1, p.model, p.tokenizer, p.optimizer, trainer_state, p.cfg.train.keep_checkpoints,
-                    p.critic, p.rank, p.world, p.critic_opt)  # fmt: skip
+                    p.critic, p.rank, p.world, p.critic_opt, config_to_dict(p.cfg))  # fmt: skip
 
 
 def resume_hint(run: Path) -> str:
@@ -631,6 +632,7 @@ def main(argv: list[str] | None = None) -> None:
             run = Path(args.resume)
             cfg = load_config(run / "config.yaml", args.set)
             check_reward(cfg.train.reward, cfg.train.reward_params, cfg.train.constraints)  # before any engine
+            own_run_dir(run)  # one process per run directory: a second is refused, naming the pid that owns it
             # the newest checkpoint that reads back whole, checked before any model loads; a newer broken one
             # is passed over in one line (and left in place), and none intact fails here in one line
             ckpt, passed_over = verified_checkpoint(run)
@@ -639,6 +641,7 @@ def main(argv: list[str] | None = None) -> None:
             if passed_over:
                 print(passed_over, flush=True)
             check_writable(run)  # a read-only run directory fails here too
+            check_resume_config(run, ckpt, cfg, args.set)  # vs the checkpoint's config: no change applied silently
         else:
             cfg = load_config(args.config, args.set)
             parse_constraints(cfg.train.constraints)
@@ -647,6 +650,7 @@ def main(argv: list[str] | None = None) -> None:
             rank, world, _ = init(cfg.train.dist_timeout)  # several processes: rank 0 names the run directory
             run, ckpt = Path(broadcast(str(new_run_dir(cfg)) if rank == 0 else "", world)), None
             check_shared_run_dir(run, rank)  # several machines: one filesystem, or one line here
+            own_run_dir(run)
     except (ConfigError, FileNotFoundError, RunDirError) as e:  # RunDirError: run_dir read-only, bad checkpoint
         parser.error(str(e))
     except Interrupted as e:

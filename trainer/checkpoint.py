@@ -1,7 +1,8 @@
 """The run directory, and checkpoints that let a killed run continue exactly where it stopped.
 
     runs/<name>-<time>/
-        config.yaml        the whole config the run used (new_run_dir)
+        config.yaml        the whole config the run uses (new_run_dir; a resume's --set changes: trainer/rundir.py)
+        run.lock, config_changes.jsonl   the process that owns the run; what resumes changed (trainer/rundir.py)
         metrics.jsonl      one JSON row per step: batch means, losses, timings, evaluations (log)
         samples/step_<k>.jsonl   the first `train.samples_per_step` rollouts of step k (write_samples)
     runs/<name>-<time>/checkpoints/step_<k>/
@@ -14,6 +15,8 @@
                            BAPO stage
         metrics.jsonl      the run's metrics up to step k (restored on resume, so the log has
                            no rows from steps that will be redone)
+        config.yaml        the config steps up to k were trained with: what a resume compares
+                           the run's config with (trainer/rundir.py)
 
 A checkpoint is written into `step_<k>.tmp`, flushed to the disk (fsync), and renamed when
 complete, so a crash or a power cut while saving never leaves a half checkpoint that looks whole;
@@ -48,6 +51,7 @@ from trainer.config import Config, ConfigError, RunDirError, TrainingFault, conf
 from trainer.distributed import all_reduce, barrier, local_finite, save_full_state
 from trainer.lora import merge_and_save
 from trainer.ppo import save_critic
+from trainer.rundir import make_unique_dir
 
 try:
     from numpy._core.multiarray import _reconstruct
@@ -65,12 +69,13 @@ def _cause(e: OSError) -> str:
 
 
 def new_run_dir(cfg: Config) -> Path:
-    """runs/<name>-<time>/ with the run's config.yaml; an existing directory is an error, and so
-    is one that cannot be made (read-only, under a file, disk full): one line naming the path."""
+    """runs/<name>-<time>/ with the run's config.yaml, or <name>-<time>-2, -3, ... when another run
+    took that name in the same second (rundir.make_unique_dir); one that cannot be made (read-only,
+    under a file, disk full) is one line naming the path."""
     run = Path(cfg.train.run_dir) / f"{cfg.train.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     made = False
     try:
-        run.mkdir(parents=True, exist_ok=False)
+        run = make_unique_dir(run)
         made = True
         (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     except OSError as e:
@@ -113,8 +118,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_state: dict, keep: int = 2,
-                    critic=None, rank: int = 0, world: int = 1, critic_optimizer=None) -> Path:  # fmt: skip
+                    critic=None, rank: int = 0, world: int = 1, critic_optimizer=None,
+                    config: dict | None = None) -> Path:  # fmt: skip
     """Write step_<step> atomically (temp dir, fsync, then rename) and drop all but the newest `keep`.
+    `config` (config_to_dict of the run's Config) goes in as config.yaml: what a resume compares with.
     Every process calls it: under FSDP the full weights are gathered tensor by tensor and written
     by rank 0, and each process writes its own shard of the optimizer state. A write that fails
     (disk full, read-only) removes the partial step_<step>.tmp, which would otherwise hold the disk
@@ -149,6 +156,8 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
         if rank == 0:
             tokenizer.save_pretrained(tmp)
             torch.save({"step": step, "rng": rng_state(), "world": world} | trainer_state, tmp / "trainer_state.pt")
+            if config is not None:  # not run/config.yaml's copy: that file may be edited while the run goes on
+                (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             if (run / "metrics.jsonl").exists():
                 shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
             _fsync_tree(tmp)  # every process's files are written (barrier above): on the disk before the rename

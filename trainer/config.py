@@ -652,6 +652,15 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def config_from_dict(data: dict) -> Config:
+    """The Config that config_to_dict gave `data` (a checkpoint's config.yaml), unchecked: what a
+    run was trained with is read back as it was, not judged again by today's ranges."""
+    cfg = Config()
+    for key, value in data.items():
+        _set(cfg, str(key), value)
+    return cfg
+
+
 def key_notes(section: type) -> dict[str, str]:
     """Each field of a config dataclass with the comment beside it and the comment lines just
     above it, read from this file: what `python -m trainer.config --keys` prints."""
