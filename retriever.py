@@ -15,6 +15,7 @@ them as `Doc i(Title: t) text` inside <information>; Deliberative Searcher §3.1
 source, WebFilter §3 search operators. The code lives in `search/`:
   index.py   build, load (mmap) and search an index directory: BM25 (bm25s), dense, hybrid (RRF)
   dense.py   the encoder (E5 / MiniLM / BGE) and faiss files; import of a faiss index built elsewhere
+  files.py   index files written whole (fsync, rename) and read back checked
   web.py     web-style search with operators (site:, before:, "phrase", -term, AND/OR/NOT), READ
   search/server.py  the HTTP server with request limits and batching, and the client with a timeout
   tools.py   what a rollout calls: the in-process index or the server, chosen by `retriever.*`
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(doc, indent=1, ensure_ascii=False))
         else:
             serve(args)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, OSError) as e:  # OSError: a full disk, a missing file; each names its file
         raise SystemExit(f"error: {e}") from None
 
 

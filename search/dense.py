@@ -8,10 +8,11 @@ index.py builds, loads and searches index directories with them.
 
   * The encoder's family (prefixes, pooling) is said, never guessed from its path; meta.json
     records it, and an index is refused when the config asks for another encoder (check_encoder).
-  * Embeddings stream to a float32 memmap in chunks; a killed build resumes from the last
-    finished chunk, and faiss `add`s the memmap chunk by chunk, so the embeddings are never
-    held twice. faiss uses every core (`omp_set_num_threads`).
-  * faiss files open mmap'd (IO_FLAG_MMAP_IFC, see index.load_index).
+  * Embeddings stream to a float32 memmap in chunks, its blocks allocated first; a killed build
+    resumes from the last finished chunk, and faiss `add`s the memmap chunk by chunk, so the
+    embeddings are never held twice. faiss uses every core (`omp_set_num_threads`).
+  * faiss.index is written whole (files.write_file) and read back with one vector per passage
+    before an index is marked complete; faiss files open mmap'd (IO_FLAG_MMAP_IFC, see load_index).
   * A bare faiss index (Search-R1's e5_Flat.index) is imported, not re-embedded: `import_index`
     checks it against the corpus and the encoder, and links it (never copies it).
 
@@ -21,6 +22,7 @@ bm25s, faiss, torch and transformers are imported only inside the functions that
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from search.corpus import Corpus, id_checks, iter_passages, scan_corpus
-from search.files import write_json
+from search.files import corrupt, load_npy, read_json, save_npy, write_file, write_json
 from trainer.config import ConfigError, DataError
 
 # --------------------------------------------------------------------------------------------
@@ -159,22 +161,23 @@ def use_all_cores() -> None:
 
 
 def build_dense(corpus: Corpus, out: Path, enc: Encoder, factory: str, chunk: int = 1024, batch_size: int = 64) -> None:
-    """Embeddings -> memmap (resumable), then a faiss index added chunk by chunk from the memmap."""
+    """Embeddings -> memmap (resumable), then a faiss index added chunk by chunk from the memmap,
+    written whole (never a partial faiss.index under its name). index.build_index reads it back."""
     import faiss
 
     use_all_cores()
     n, dim = len(corpus), enc.model.config.hidden_size
-    emb_path, state_path = out / "embeddings.f32", out / "embed_state.json"
-    done = json.loads(state_path.read_text())["rows_done"] if state_path.exists() else 0
-    mm = np.memmap(emb_path, dtype=np.float32, mode="r+" if done else "w+", shape=(n, dim))
+    state_path = out / "embed_state.json"
+    done = rows_embedded(out, n, dim)
+    mm = open_embeddings(out / "embeddings.f32", n, dim, fresh=done == 0)
     if done:
         print(f"resuming embeddings at row {done} of {n}", flush=True)
     bar = tqdm(total=n, initial=done, desc="embed passages", unit="psg", mininterval=2, disable=n < 5_000)
     for start in range(done, n, chunk):
         end = min(start + chunk, n)
         mm[start:end] = encode(enc, [d["contents"] for d in iter_passages(corpus, start, end)], "passage", batch_size)
-        mm.flush()
-        write_json(state_path, {"rows_done": end})  # only after the rows are on disk
+        mm.flush()  # msync: the rows are on the disk before the state file says they are
+        write_json(state_path, {"rows_done": end})
         bar.update(end - start)
     bar.close()
     index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
@@ -183,8 +186,59 @@ def build_dense(corpus: Corpus, out: Path, enc: Encoder, factory: str, chunk: in
         index.train(sample)
     for start in tqdm(range(0, n, 65_536), desc="faiss add", mininterval=2, disable=n < 500_000):
         index.add(np.ascontiguousarray(mm[start : start + 65_536]))
-    faiss.write_index(index, str(out / "faiss.index"))
+    write_file(out / "faiss.index", lambda tmp: write_faiss(index, tmp))
     del mm
+
+
+def rows_embedded(out: Path, n: int, dim: int) -> int:
+    """The rows of embeddings.f32 a killed build finished (embed_state.json), or 0: the state is
+    trusted only if it parses, lies in [0, n] and the file has its full size (n x dim float32). A
+    state or file that a crash or a full disk left short means embedding again from row 0, never
+    resuming into an index of zeros."""
+    state, emb = out / "embed_state.json", out / "embeddings.f32"
+    if not state.exists():
+        return 0
+    try:
+        done = read_json(state).get("rows_done")
+    except DataError as e:
+        print(f"{e}; embedding again from row 0", flush=True)
+        return 0
+    size = emb.stat().st_size if emb.exists() else 0
+    if not isinstance(done, int) or isinstance(done, bool) or not 0 <= done <= n or size != n * dim * 4:
+        print(f"{state} says {done!r} rows of {n} are done but {emb} holds {size} bytes of {n * dim * 4}; "
+              "embedding again from row 0", flush=True)  # fmt: skip
+        return 0
+    return done
+
+
+def open_embeddings(path: Path, n: int, dim: int, fresh: bool) -> np.memmap:
+    """The (n, dim) float32 memmap, its disk blocks allocated first (posix_fallocate): a full disk
+    is then an OSError naming the file here, not a SIGBUS killing the build at its first write
+    into a page the filesystem cannot back (np.memmap's "w+" makes a sparse file)."""
+    size = n * dim * 4
+    with open(path, "wb" if fresh else "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here (some network mounts)
+                raise OSError(e.errno, f"{e.strerror}: cannot allocate {size} bytes for {path}") from None
+            f.truncate(size)
+    return np.memmap(path, dtype=np.float32, mode="r+", shape=(n, dim))
+
+
+def write_faiss(index, path: Path) -> None:
+    import faiss
+
+    try:
+        faiss.write_index(index, str(path))
+    except RuntimeError as e:  # faiss reports a failed write (a full disk) as a RuntimeError
+        raise OSError(f"faiss could not write {path} ({faiss_said(e)})") from None
+
+
+def faiss_said(e: RuntimeError) -> str:
+    """faiss's error message spans lines: its last one says what failed."""
+    lines = str(e).strip().splitlines() or [""]
+    return lines[-1].strip()
 
 
 def to_gpus(faiss_index):
@@ -198,9 +252,8 @@ def to_gpus(faiss_index):
     return faiss.index_cpu_to_all_gpus(faiss_index, co=co)
 
 
-
 # --------------------------------------------------------------------------------------------
-# faiss files; an index built elsewhere, imported.
+# faiss files: written whole, read back checked; an index built elsewhere, imported.
 
 
 def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Path, model: str, family: str) -> Path:
@@ -211,7 +264,8 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
     faiss index, it holds one vector per passage and its width is the encoder's (a one-line error
     naming the file otherwise). The file is linked, never copied (65 GB for wiki-18 in E5): a hard
     link on the same filesystem, else a symlink to its resolved path; meta.json says which, and
-    meta.json is written last, so a directory without it holds no index."""
+    meta.json is written last (whole, after spans.npy and the link read back), so a directory
+    without it holds no index."""
     import faiss
 
     model, family = resolve_encoder(model, family)
@@ -235,7 +289,9 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
     del index
     out.mkdir(parents=True, exist_ok=True)
     link = link_file(src, out / "faiss.index")
-    np.save(out / "spans.npy", corpus.spans)
+    save_npy(out / "spans.npy", corpus.spans)
+    load_npy(out / "spans.npy", shape=corpus.spans.shape, dtype=np.int64)
+    load_faiss(out / "faiss.index", len(corpus))
     meta = {"method": "dense", "corpus": str(corpus.path.resolve()), "n_docs": len(corpus),
             "corpus_bytes": corpus.path.stat().st_size, "id_checks": id_checks(corpus),
             "dense": dense | {"imported_from": str(src.resolve()), "link": link}}  # fmt: skip
@@ -257,15 +313,29 @@ def link_file(src: Path, dst: Path) -> str:
 
 
 def read_faiss(path: Path):
-    """A faiss index file, mmap'd read-only (load_index says why this flag); a file faiss cannot
-    read is a DataError naming it."""
+    """A faiss index file, mmap'd read-only (index.load_index says why this flag); a file faiss
+    cannot read is a DataError naming it."""
     import faiss
 
     try:
         return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
-    except RuntimeError as e:  # faiss's message spans lines: its last one says what failed
-        lines = str(e).strip().splitlines() or [""]
-        raise DataError(f"{path}: faiss cannot read it as an index ({lines[-1].strip()})") from None
+    except RuntimeError as e:
+        raise DataError(f"{path}: faiss cannot read it as an index ({faiss_said(e)})") from None
+
+
+def load_faiss(path: Path, n_docs: int):
+    """An index directory's faiss.index (read_faiss), holding one vector per passage; anything else
+    is one line naming the file (files.corrupt): a truncated file, a link to a file that is gone."""
+    if not path.exists():
+        gone = f"a link to {os.readlink(path)}, which is gone" if path.is_symlink() else "missing"
+        raise corrupt(path, gone)
+    try:
+        index = read_faiss(path)
+    except DataError as e:
+        raise corrupt(path, str(e).removeprefix(f"{path}: ")) from None
+    if index.ntotal != n_docs:
+        raise corrupt(path, f"{index.ntotal} vectors for {n_docs} passages")
+    return index
 
 
 def check_encoder(meta: dict, model: str, family: str, index_dir: Path) -> None:

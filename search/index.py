@@ -14,6 +14,10 @@ In Python:
 Design choices, each against a pitfall in docs/design.md §7:
   * The corpus is never loaded as a list (corpus.py); `load_index` refuses a corpus whose ids
     or size differ from the one the index was built on.
+  * Every file of an index is written whole (files.py: a temporary name, fsync, rename) and read
+    back before meta.json says "complete"; a resumed build checks what an earlier one left (a
+    0-byte or corrupt file is built again, never taken for done); a corrupt file at load is one
+    line naming it.
   * BM25 (bm25s) uses one tokenizer for documents and queries: lower-case words, English
     stopwords, the Snowball English stemmer (PyStemmer).
   * Dense (dense.py): the encoder's family is said, never guessed; embeddings stream to a
@@ -32,9 +36,9 @@ functions that need them, and `engine.make_engine` refuses to start once numba i
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,14 +53,14 @@ from search.dense import (
     check_encoder,
     encode,
     load_encoder,
-    read_faiss,
+    load_faiss,
     resolve_encoder,
     to_gpus,
     use_all_cores,
 )
 from search.dense import default_encoder_path as default_encoder_path
 from search.dense import import_index as import_index
-from search.files import write_json
+from search.files import corrupt, fsync_path, fsync_tree, load_npy, read_json, save_npy, write_json
 from trainer.config import ConfigError, DataError
 
 METHODS = ("bm25", "dense", "hybrid")
@@ -98,8 +102,15 @@ def import_bm25s():
     return bm25s
 
 
-def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000):
-    """Index the corpus with bm25s; token ids are kept as compact int32 arrays while building."""
+BM25_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "indices.csc.index.npy",
+              "indptr.csc.index.npy")  # fmt: skip  # what bm25s.BM25.save writes (lucene BM25)
+
+
+def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000) -> None:
+    """Index the corpus with bm25s into out/bm25; token ids are kept as compact int32 arrays while
+    building. bm25s writes its files one after another, so they are saved into a temporary
+    directory, flushed, read back (load_bm25) and only then renamed to out/bm25: a full disk once
+    left params.index.json at 0 bytes, which a resumed build took for done."""
     bm25s = import_bm25s()
 
     vocab: dict[str, int] = {}
@@ -110,7 +121,57 @@ def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000):
             ids.append(np.array([vocab.setdefault(t, len(vocab)) for t in toks], dtype=np.int32))
     model = bm25s.BM25()
     model.index((ids, vocab), show_progress=len(corpus) > 100_000)
-    model.save(str(out / "bm25"), show_progress=False)
+    tmp, final = out / ".building-bm25", out / "bm25"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a build that died while saving
+    try:
+        model.save(str(tmp), show_progress=False)
+        fsync_tree(tmp)
+        load_bm25(tmp, len(corpus))
+    except OSError as e:  # numpy's and json's write errors name no file
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        raise OSError(e.errno, f"{e.strerror or e}: writing the BM25 index into {tmp}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)  # an earlier one that did not read back (bm25_done)
+    os.rename(tmp, final)
+    fsync_path(out)
+
+
+def load_bm25(directory: Path, n_docs: int, backend: str = "numpy"):
+    """bm25s's index in `directory`, mmap'd, checked to score n_docs documents. bm25s's own errors
+    name no file ("mmap length is greater than file size"): on any, each file is read on its own
+    and the first that fails is named (files.corrupt)."""
+    bm25s = import_bm25s()
+    try:
+        model = bm25s.BM25.load(str(directory), mmap=True, show_progress=False, verbosity=0, backend=backend)
+    except Exception as e:  # noqa: BLE001 - whatever bm25s raised, a file is corrupt: found below
+        for name in BM25_FILES:
+            path = directory / name
+            if path.suffix == ".json":
+                read_json(path)
+            else:
+                load_npy(path, shape=(None,))
+        raise corrupt(directory, e) from None
+    sc = model.scores
+    if sc["num_docs"] != n_docs:
+        raise corrupt(directory / "params.index.json", f"num_docs {sc['num_docs']}, expected {n_docs}")
+    if not len(sc["data"]) == len(sc["indices"]) == int(sc["indptr"][-1]):
+        raise corrupt(directory, f"{len(sc['data'])} scores, {len(sc['indices'])} indices and indptr[-1] = "
+                      f"{int(sc['indptr'][-1])} should be equal")  # fmt: skip
+    return model
+
+
+def bm25_done(directory: Path, n_docs: int) -> bool:
+    """Did an earlier run of this build leave a BM25 index that reads back? (Not merely a file.)"""
+    if not directory.exists():
+        return False
+    try:
+        load_bm25(directory, n_docs)
+    except DataError as e:
+        print(f"building {directory} again: {e}", flush=True)
+        return False
+    return True
 
 
 def bm25_search(index: Index, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
@@ -190,7 +251,11 @@ def build_index(
     batch_size: int = 64,
     chunk: int = 1024,
 ) -> Path:
-    """Build (or resume building) an index directory; returns it. See the module docstring."""
+    """Build (or resume building) an index directory; returns it. See the module docstring.
+
+    Each file is written whole (files.py) and meta.json says "complete" only once every file
+    reads back as load_index reads it (index_fault). A resumed build redoes whatever an earlier
+    one left unfinished or unreadable; a finished index that does not read back is built again."""
     if method not in METHODS:
         raise ConfigError(f"unknown retrieval method {method!r}; choose one of {METHODS}")
     out = Path(out)
@@ -207,27 +272,59 @@ def build_index(
     }
     if method != "bm25":
         meta["dense"] = {"model": model, "family": family, "index_factory": index_factory}
-    if (out / "meta.json").exists():
-        done = json.loads((out / "meta.json").read_text())
-        if done.get("complete"):
-            raise ConfigError(f"{out} already holds a finished index; remove it to rebuild")
-        if {k: done.get(k) for k in meta} != meta:
-            raise ConfigError(f"{out} holds a partial build of a different index; remove it first")
+    check_earlier_build(out, meta)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "meta.json", meta)
-    np.save(out / "spans.npy", corpus.spans)
-    if method in ("bm25", "hybrid") and not (out / "bm25" / "params.index.json").exists():
+    save_npy(out / "spans.npy", corpus.spans)
+    if method in ("bm25", "hybrid") and not bm25_done(out / "bm25", len(corpus)):
         build_bm25(corpus, out)
     if method in ("dense", "hybrid"):
         enc = load_encoder(meta["dense"]["model"], meta["dense"]["family"])
         build_dense(corpus, out, enc, index_factory, chunk=chunk, batch_size=batch_size)
+    fault = index_fault(out, meta)
+    if fault:
+        raise DataError(f"index {out} does not read back after its build: {fault}")
     write_json(out / "meta.json", meta | {"complete": True})
     return out
 
 
+def check_earlier_build(out: Path, meta: dict) -> None:
+    """Refuse to build over a finished index that reads back, or over a build of another index;
+    say so when a finished one does not read back (it is built again, like a partial one)."""
+    if not (out / "meta.json").exists():
+        return
+    try:
+        done = read_json(out / "meta.json")
+    except DataError as e:  # not written by this code (its writes are whole): whose build is it?
+        raise ConfigError(f"{e}; {out} holds no build this one can resume: remove it first") from None
+    finished = bool(done.get("complete"))
+    fault = index_fault(out, done) if finished else None
+    if finished and fault is None:
+        raise ConfigError(f"{out} already holds a finished index; remove it to rebuild")
+    if any(done.get(k) != v for k, v in meta.items()):
+        raise ConfigError(f"{out} holds a partial build of a different index; remove it first")
+    if finished:
+        print(f"{out} is marked finished but does not read back ({fault}); building it again", flush=True)
+
+
+def index_fault(out: Path, meta: dict) -> str | None:
+    """Why the files of an index directory do not read back as `meta`'s index (load_index's
+    loaders, each checked against n_docs), or None."""
+    n = meta["n_docs"]
+    try:
+        load_npy(out / "spans.npy", shape=(n, 2), dtype=np.int64)
+        if meta["method"] in ("bm25", "hybrid"):
+            load_bm25(out / "bm25", n)
+        if meta["method"] in ("dense", "hybrid"):
+            load_faiss(out / "faiss.index", n)
+    except DataError as e:
+        return str(e)
+    return None
+
+
 def _complete(out: Path) -> bool:
     meta = out / "meta.json"  # written whole by os.replace: never seen half-written
-    return meta.is_file() and bool(json.loads(meta.read_text()).get("complete"))
+    return meta.is_file() and bool(read_json(meta).get("complete"))
 
 
 def load_index(
@@ -240,7 +337,8 @@ def load_index(
     faiss_on_gpus: bool = False,
     encoder: tuple[str, str] | None = None,
 ) -> Index:
-    """Open a built index (BM25 arrays and faiss index mmap'd), after checking its corpus and,
+    """Open a built index (BM25 arrays and faiss index mmap'd; each file checked, a corrupt one is
+    one line naming it), after checking its corpus and,
     given `encoder` (model dir, family: what the config asks for), that its dense part was embedded
     with that encoder (check_encoder).
 
@@ -267,7 +365,7 @@ def load_index(
     meta_path = index_dir / "meta.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"no index at {index_dir} (missing {meta_path}); build it with `retriever.py build`")
-    meta = json.loads(meta_path.read_text())
+    meta = read_json(meta_path)
     if not meta.get("complete"):
         raise DataError(f"index {index_dir} is a partial build; run the same build command again to resume")
     if encoder is not None:
@@ -275,16 +373,12 @@ def load_index(
     path = Path(corpus_path or meta["corpus"])
     if not path.is_file():
         raise FileNotFoundError(f"corpus file not found: {path} (index {index_dir}; pass --corpus if it moved)")
-    corpus = Corpus(path, np.load(index_dir / "spans.npy", mmap_mode="r"))
+    corpus = Corpus(path, load_npy(index_dir / "spans.npy", shape=(meta["n_docs"], 2), dtype=np.int64))
     check_corpus(corpus, meta, index_dir)
     index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1))
     if meta["method"] in ("bm25", "hybrid"):
-        bm25s = import_bm25s()
-
         backend = "numba" if bm25_backend == "numba" else "numpy"
-        index.bm25 = bm25s.BM25.load(
-            str(index_dir / "bm25"), mmap=True, show_progress=False, verbosity=0, backend=backend
-        )
+        index.bm25 = load_bm25(index_dir / "bm25", meta["n_docs"], backend)
         if bm25_backend == "scipy" and index.bm25.nonoccurrence_array is None:  # lucene BM25: none
             import scipy.sparse as sp
 
@@ -297,7 +391,7 @@ def load_index(
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         use_all_cores()
-        index.faiss = read_faiss(index_dir / "faiss.index")
+        index.faiss = load_faiss(index_dir / "faiss.index", meta["n_docs"])
         if search_params:  # e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
             faiss.ParameterSpace().set_index_parameters(index.faiss, search_params)
         if faiss_on_gpus and device.startswith("cuda"):
@@ -322,7 +416,7 @@ def ensure_index(
             if not _complete(out):
                 print(f"building {out} (first use; other processes wait for it)", flush=True)
                 build_index(corpus_path, out, method, model=model, family=family, index_factory=index_factory)
-    check_encoder(json.loads((out / "meta.json").read_text()), model, family, out)
+    check_encoder(read_json(out / "meta.json"), model, family, out)
     return out
 
 
