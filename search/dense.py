@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from search.corpus import Corpus, id_checks, iter_passages, scan_corpus
+from search.corpus import Corpus, id_checks, iter_passages
 from search.files import corrupt, load_npy, read_json, save_npy, write_file, write_json
+from search.integrity import scan_with_digest
 from trainer.config import ConfigError, DataError
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
     naming the file otherwise). The file is linked, never copied (65 GB for wiki-18 in E5): a hard
     link on the same filesystem, else a symlink to its resolved path; meta.json says which, and
     meta.json is written last (whole, after spans.npy and the link read back), so a directory
-    without it holds no index."""
+    without it holds no index. meta.json records the corpus's digest (integrity.py)."""
     import faiss
 
     model, family = resolve_encoder(model, family)
@@ -274,7 +275,7 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
         raise FileNotFoundError(f"faiss index file not found: {src}")
     if (out / "meta.json").exists():
         raise ConfigError(f"{out} already holds an index; remove it to import again")
-    corpus = scan_corpus(corpus_path)
+    corpus, digest = scan_with_digest(corpus_path)
     index = read_faiss(src)  # mmap'd: ntotal and d without reading 65 GB
     if index.ntotal != len(corpus):
         raise DataError(f"{src} holds {index.ntotal} vectors but corpus {corpus.path} has {len(corpus)} passages; "
@@ -293,7 +294,7 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
     load_npy(out / "spans.npy", shape=corpus.spans.shape, dtype=np.int64)
     load_faiss(out / "faiss.index", len(corpus))
     meta = {"method": "dense", "corpus": str(corpus.path.resolve()), "n_docs": len(corpus),
-            "corpus_bytes": corpus.path.stat().st_size, "id_checks": id_checks(corpus),
+            "corpus_bytes": digest["bytes"], "corpus_digest": digest, "id_checks": id_checks(corpus),
             "dense": dense | {"imported_from": str(src.resolve()), "link": link}}  # fmt: skip
     write_json(out / "meta.json", meta | {"complete": True})
     return out

@@ -12,8 +12,9 @@ In Python:
     # 'Doc 1(Title: Tavi Morek) Tavi Morek was born in the city of Velor.\\nDoc 2(Title: ...'
 
 Design choices, each against a pitfall in docs/design.md §7:
-  * The corpus is never loaded as a list (corpus.py); `load_index` refuses a corpus whose ids
-    or size differ from the one the index was built on.
+  * The corpus is never loaded as a list (corpus.py); `load_index` refuses a corpus whose ids,
+    size or digest (integrity.py) differ from the one the index was built on, and every search
+    first checks (a stat) that the file has not changed since.
   * Every file of an index is written whole (files.py: a temporary name, fsync, rename) and read
     back before meta.json says "complete"; a resumed build checks what an earlier one left (a
     0-byte or corrupt file is built again, never taken for done); a corrupt file at load is one
@@ -45,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from search.corpus import Corpus, check_corpus, get_passage, id_checks, iter_passages, scan_corpus, title_and_text
+from search.corpus import Corpus, check_corpus, get_passage, id_checks, iter_passages, title_and_text
 from search.dense import ENCODER_FAMILIES as ENCODER_FAMILIES  # re-exported: retriever.py, the tests
 from search.dense import (
     Encoder,
@@ -61,6 +62,7 @@ from search.dense import (
 from search.dense import default_encoder_path as default_encoder_path
 from search.dense import import_index as import_index
 from search.files import corrupt, fsync_path, fsync_tree, load_npy, read_json, save_npy, write_json
+from search.integrity import CorpusGuard, scan_with_digest
 from trainer.config import ConfigError, DataError
 
 METHODS = ("bm25", "dense", "hybrid")
@@ -239,6 +241,7 @@ class Index:
     threads: int = 0
     bm25_matrix: object | None = None  # scipy CSR view (vocab x docs) of bm25s's score arrays
     rows_by_key: dict[str, int] | None = None  # id / url -> row, built on the first read()
+    guard: CorpusGuard | None = None  # is the corpus file still the indexed one (integrity.py)
 
 
 def build_index(
@@ -261,12 +264,13 @@ def build_index(
     out = Path(out)
     if method != "bm25":  # before the corpus scan: a missing family fails at once
         model, family = resolve_encoder(model, family)
-    corpus = scan_corpus(corpus_path)
+    corpus, digest = scan_with_digest(corpus_path)
     meta = {
         "method": method,
         "corpus": str(Path(corpus_path).resolve()),
         "n_docs": len(corpus),
-        "corpus_bytes": corpus.path.stat().st_size,
+        "corpus_bytes": digest["bytes"],
+        "corpus_digest": digest,
         "id_checks": id_checks(corpus),
         "bm25": {"tokenizer": "words>=2 chars, lower, stopwords en, snowball english"},
     }
@@ -301,7 +305,11 @@ def check_earlier_build(out: Path, meta: dict) -> None:
     fault = index_fault(out, done) if finished else None
     if finished and fault is None:
         raise ConfigError(f"{out} already holds a finished index; remove it to rebuild")
-    if any(done.get(k) != v for k, v in meta.items()):
+    # a build from before digests (no corpus_digest) resumes when the rest agrees, as it did then
+    same_corpus = "corpus_digest" not in done or all(
+        done["corpus_digest"].get(k) == meta["corpus_digest"][k] for k in ("bytes", "sampled_blake2b", "blake2b")
+    )
+    if not same_corpus or any(done.get(k) != v for k, v in meta.items() if k != "corpus_digest"):
         raise ConfigError(f"{out} holds a partial build of a different index; remove it first")
     if finished:
         print(f"{out} is marked finished but does not read back ({fault}); building it again", flush=True)
@@ -338,7 +346,7 @@ def load_index(
     encoder: tuple[str, str] | None = None,
 ) -> Index:
     """Open a built index (BM25 arrays and faiss index mmap'd; each file checked, a corrupt one is
-    one line naming it), after checking its corpus and,
+    one line naming it), after checking its corpus (check_corpus, and its digest: integrity.py) and,
     given `encoder` (model dir, family: what the config asks for), that its dense part was embedded
     with that encoder (check_encoder).
 
@@ -375,7 +383,9 @@ def load_index(
         raise FileNotFoundError(f"corpus file not found: {path} (index {index_dir}; pass --corpus if it moved)")
     corpus = Corpus(path, load_npy(index_dir / "spans.npy", shape=(meta["n_docs"], 2), dtype=np.int64))
     check_corpus(corpus, meta, index_dir)
-    index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1))
+    guard = CorpusGuard(path, meta.get("corpus_digest"), index_dir)
+    guard.check()  # the sampled blocks, and the whole file up to integrity.FULL_HASH_BYTES
+    index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1), guard=guard)
     if meta["method"] in ("bm25", "hybrid"):
         backend = "numba" if bm25_backend == "numba" else "numpy"
         index.bm25 = load_bm25(index_dir / "bm25", meta["n_docs"], backend)
@@ -435,6 +445,8 @@ def rrf(lists: list[list[tuple[int, float]]], k: int) -> list[tuple[int, float]]
 
 def search_rows(index: Index, queries: list[str], k: int, method: str = "") -> list[list[tuple[int, float]]]:
     """(row, score) per query with the index's method (or `method`, if the index has it)."""
+    if index.guard is not None:  # a stat; the corpus's hashes only once the stat changes
+        index.guard.check()
     method = method or index.meta["method"]
     if method == "bm25":
         return bm25_search(index, queries, k)
