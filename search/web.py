@@ -280,6 +280,8 @@ def read(index: Index, key: str, max_tokens: int = 512, tokenizer=None) -> dict:
         except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800", undecodable argv) cannot be printed
             shown = str(key).encode("utf-8", "backslashreplace").decode()
             return {"id": shown, "error": f"no document with id or url {shown!r}: not valid Unicode"}
+    if index.guard is not None:  # as search_rows: never a passage of a corpus edited since the build
+        index.guard.check()
     row = _find_row(index, str(key).strip())
     if row is None:
         return {"id": key, "error": f"no document with id or url {key!r}"}
