@@ -121,9 +121,10 @@ from trainer.distributed import (
     shard_reference,
     trainer_threads,
 )
-from trainer.engine import check_engine_logprobs, empty_policy, load_policy, load_tokenizer, make_engine
+from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engine
 from trainer.faults import (
     Interrupted,
+    check_engine_logprobs,
     interrupted,
     raise_if_interrupted,
     stop_on_signals,

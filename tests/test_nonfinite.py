@@ -51,7 +51,7 @@ def test_non_finite_engine_logprobs_are_named_as_the_engines(tmp_path):
     """A real rollout record whose engine log-probabilities hold a NaN (what vLLM CPU gave under an
     ATEN_CPU_CAPABILITY it does not tolerate) stops the step naming the engine, before any reward
     or loss; a NaN on a tool token (logprob 0.0 by construction there) would not be the engine's."""
-    from trainer.engine import check_engine_logprobs
+    from trainer.faults import check_engine_logprobs
 
     tok, cfg, model, engine = setup(tmp_path)
     record = roll(tok, cfg, engine, "P was born in the city of C.")

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from trainer.config import ConfigError, RolloutConfig, TrainingFault
+from trainer.config import ConfigError, RolloutConfig
 
 
 @dataclass
@@ -492,29 +492,3 @@ def make_engine(kind: str, model_dir: str | Path, cfg: RolloutConfig, dtype: str
     if kind == "hf":
         return HFEngine(model_dir, cfg, dtype, seed)
     raise ValueError(f"unknown engine {kind!r}: use 'vllm' or 'hf'")
-
-
-def check_engine_logprobs(records: list[dict], engine: str, step: int) -> None:
-    """A rollout engine that returns non-finite sampling log-probabilities stops the step with one
-    line naming the engine: left alone they reach the PPO ratio and the run stopped one stage later
-    with "non-finite loss ... see rewards, advantages", pointing away from the cause (seen: vLLM CPU
-    0.32 under ATEN_CPU_CAPABILITY=avx2 on a CPU with AVX-512-BF16 generated garbage with NaN
-    log-probabilities; results/cpu_kernels.md says which overrides it tolerates).
-
-    >>> check_engine_logprobs([{"logprobs": [-0.5, float("nan")], "loss_mask": [1, 1]}], "vllm", 3)
-    Traceback (most recent call last):
-    ...
-    trainer.config.TrainingFault: step 3: the rollout engine (vllm) returned non-finite log-probabilities ...
-    """
-    bad = total = 0
-    for r in records:
-        lp = torch.tensor(r["logprobs"], dtype=torch.float64)
-        mine = torch.tensor(r["loss_mask"], dtype=torch.bool)  # the policy's own tokens; tool text has 0.0
-        bad += int((~torch.isfinite(lp[mine])).sum())
-        total += int(mine.sum())
-    if bad:
-        raise TrainingFault(
-            f"step {step}: the rollout engine ({engine}) returned non-finite log-probabilities for {bad} of {total} "
-            "generated tokens: the engine's numerics, not the rewards or advantages; on a CPU, an "
-            "ATEN_CPU_CAPABILITY or oneDNN override vLLM does not tolerate is a known cause (results/cpu_kernels.md)"
-        )
