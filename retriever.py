@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         default=1024,
         help="passages embedded between memmap flushes (a killed build resumes from the last flushed chunk)",
     )
+    b.add_argument("--keep-embeddings", action="store_true",
+                   help="keep the float32 embeddings (embeddings.f32, the size of a Flat index) after the build")
     b.add_argument("--out", required=True, help="index directory to create")
     m = sub.add_parser("import", help="a bare faiss index built elsewhere (Search-R1's e5_Flat.index) + its corpus "
                        "-> an index directory, linked, not re-embedded")  # fmt: skip
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.index_factory,
                 args.batch_size,
                 args.chunk,
+                args.keep_embeddings,
             )
             print(f"built {out} in {time.time() - t:.1f} s")
         elif args.cmd == "import":

@@ -223,7 +223,8 @@ def bm25_part(res: dict, index, bm25_dir: Path, queries: list[str], reps: int) -
 
 def dense_part(res: dict, corpus: Path, big, queries: list[str], reps: int) -> None:
     """Flat vs HNSW / IVF recall@10 and speed, and our wrapper against encoder + faiss directly."""
-    flat_dir = index_once(corpus, corpus.parent / "dense-flat", "dense", index_factory="Flat")
+    flat_dir = index_once(corpus, corpus.parent / "dense-flat", "dense", index_factory="Flat",
+                          keep_embeddings=True)  # the approximate indexes below are built from them
     flat = load_index(flat_dir)
     val = [q["question"] for q in big.questions["val"]]
     exact = search_rows(flat, val, 10, "dense")

@@ -253,8 +253,11 @@ def build_index(
     index_factory: str = "Flat",
     batch_size: int = 64,
     chunk: int = 1024,
+    keep_embeddings: bool = False,
 ) -> Path:
     """Build (or resume building) an index directory; returns it. See the module docstring.
+    A dense build embeds on every visible GPU and, once the index is complete, deletes its float32
+    embeddings (as large as a Flat index: ~65 GB for wiki-18) unless `keep_embeddings`.
 
     Each file is written whole (files.py) and meta.json says "complete" only once every file
     reads back as load_index reads it (index_fault). A resumed build redoes whatever an earlier
@@ -283,12 +286,15 @@ def build_index(
     if method in ("bm25", "hybrid") and not bm25_done(out / "bm25", len(corpus)):
         build_bm25(corpus, out)
     if method in ("dense", "hybrid"):
-        enc = load_encoder(meta["dense"]["model"], meta["dense"]["family"])
+        enc = load_encoder(meta["dense"]["model"], meta["dense"]["family"], all_gpus=True)
         build_dense(corpus, out, enc, index_factory, chunk=chunk, batch_size=batch_size)
     fault = index_fault(out, meta)
     if fault:
         raise DataError(f"index {out} does not read back after its build: {fault}")
     write_json(out / "meta.json", meta | {"complete": True})
+    if not keep_embeddings:  # only once the index is complete: until then a killed build resumes from them
+        for name in ("embeddings.f32", "embed_state.json"):
+            (out / name).unlink(missing_ok=True)
     return out
 
 

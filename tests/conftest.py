@@ -105,7 +105,9 @@ def search_world(tmp_path_factory):
     world = generate_world(WorldConfig(**SEARCH_WORLD))
     base = tmp_path_factory.mktemp("search_world")
     write_jsonl(base / "corpus.jsonl", world.corpus)
-    return world, base / "corpus.jsonl", build_index(base / "corpus.jsonl", base / "hybrid", "hybrid")
+    # embeddings kept: tests compare a resumed build with them and build other indexes from them
+    index = build_index(base / "corpus.jsonl", base / "hybrid", "hybrid", keep_embeddings=True)
+    return world, base / "corpus.jsonl", index
 
 
 def free_port() -> int:

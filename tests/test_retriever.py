@@ -127,6 +127,7 @@ def test_killed_dense_build_resumes_and_matches_a_clean_build(search_world, tmp_
         "64",
         "--batch-size",
         "16",
+        "--keep-embeddings",  # compared with the clean build's below
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     state = out / "embed_state.json"
@@ -166,8 +167,10 @@ def approx_index(search_world, tmp_path, factory):
     meta = {k: v for k, v in meta.items() if k != "complete"}
     meta |= {"method": "dense", "dense": meta["dense"] | {"index_factory": factory}}
     (out / "meta.json").write_text(json.dumps(meta))
-    return build_index(corpus, out, "dense", model=meta["dense"]["model"], family=meta["dense"]["family"],
-                       index_factory=factory)  # fmt: skip
+    built = build_index(corpus, out, "dense", model=meta["dense"]["model"], family=meta["dense"]["family"],
+                        index_factory=factory)  # fmt: skip
+    assert not (out / "embeddings.f32").exists()  # deleted once the index is complete (no --keep-embeddings)
+    return built
 
 
 def overlap_at_10(found, exact):
