@@ -57,7 +57,7 @@ from agent.answers import (
     parsed,
     substring_match,
 )
-from agent.judge import make_judge
+from agent.judge import asked_at_once, make_judge
 from search.web import SOURCE_OPERATORS
 from trainer import reward_spec
 from trainer.config import TrainingFault
@@ -442,9 +442,16 @@ def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None
     Returns one dict per record: {"reward": float, "components": {"<term>": ..., ...}}. A
     single-term spec reports that reward's own components; a sum reports each term's scalar.
     A reward or numeric component that is NaN or infinite raises TrainingFault (_check_finite).
+    With a judge, every verdict the rewards ask for, record by record, is asked in one call
+    (judge.asked_at_once): the judge's concurrency serves the whole batch, for any reward.
     """
     params = dict(params or {})
     terms = parse_spec(spec)
+    return asked_at_once(judge, lambda j: _compute(records, spec, terms, params, j))
+
+
+def _compute(records: list[dict], spec: str, terms: list[tuple[float, str]], params: dict, judge) -> list[dict]:
+    """compute's work, with the judge (or the stand-in) asked_at_once gives it."""
     out = [{"reward": 0.0, "components": {}} for _ in records]
     for w, name in terms:
         fn = reward_spec.reward_fn(name, REWARDS)

@@ -169,9 +169,9 @@ def resample_marked_groups(records: list[dict], questions: list[dict], roll_out,
 
 
 def score_shared(records: list[dict], spec: str, params: dict, judge, rank: int, world: int) -> None:
-    """rewards.score on every record, each rank scoring the groups of its block (a judge is asked
-    once per record, and a group's rewards are computed where the whole group is); every rank
-    then has every reward, in place."""
+    """rewards.score on every record, each rank scoring the groups of its block (its judge asked
+    for all of their verdicts at once, and a group's rewards are computed where the whole group
+    is); every rank then has every reward, in place."""
     groups = list(dict.fromkeys(str(r["group_id"]) for r in records))
     owner = {g: k for k in range(world) for g in my_share(groups, k, world)}
     mine = [r for r in records if owner[str(r["group_id"])] == rank]
@@ -366,7 +366,8 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     trainable = [q for q in model.parameters() if q.requires_grad]  # all of them, or LoRA's adapters
     optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     critic_opt = critic_optimizer(critic, cfg.train.critic_lr) if critic is not None else None
-    judge = make_judge(cfg.train.judge, cfg.train.judge_model, on_failure="zero") if cfg.train.judge else None
+    judge = make_judge(cfg.train.judge, cfg.train.judge_model, on_failure="zero", timeout=cfg.train.judge_timeout,
+                       concurrency=cfg.train.judge_concurrency) if cfg.train.judge else None  # fmt: skip
     p = RunParts(
         cfg, run, rank, world, tp, tokenizer, engine, search_fn, timings, model, ref, critic, optimizer, critic_opt,
         constraints,
@@ -462,19 +463,56 @@ def rollout_stage(p: RunParts, questions: list[dict], step: int) -> tuple[list[d
 
 
 def reward_stage(p: RunParts, records: list[dict]) -> dict:
-    """2. Rewards (each rank its groups), then the constraints' U, terms and dual update, then
-    the KL penalty when it is part of the reward. Returns the constraints' metrics."""
+    """2. Rewards (each rank its groups; a judge's verdicts asked in one batch, rewards.compute),
+    then the constraints' U, terms and dual update, then the KL penalty when it is part of the
+    reward. Returns the judge's and the constraints' metrics. Too many failed verdicts stop the
+    step here, before any optimizer step (check_judge)."""
     cfg = p.cfg
     params = reward_params(p.constraints, cfg.train.reward_params)
     if p.bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
         params |= {"stage": p.bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
+    before = judge_counts(p.judge)
     score_shared(records, cfg.train.reward, params, p.judge, p.rank, p.world)
-    constraint_row = constraints_step(p.constraints, records)  # U, then the terms, then the dual update
+    judged = judge_row(p, before)
+    check_judge(p, judged)
+    constraint_row = judged | constraints_step(p.constraints, records)  # U, then the terms, then the dual update
     if cfg.train.kl_in_reward and p.ref is not None and cfg.train.algo == "grpo":
         for r, kl in zip(records, kl_penalties(p.ref, records, cfg, p.tokenizer.pad_token_id, p.rank, p.world)):
             r["kl_penalty"] = kl
             r["reward"] -= cfg.train.kl_coef * kl
     return constraint_row
+
+
+def judge_counts(judge) -> tuple[int, int]:
+    """(failed verdicts, verdicts asked) so far by this process's judge; (0, 0) without one."""
+    return (getattr(judge, "failures", 0), getattr(judge, "asked", 0)) if judge is not None else (0, 0)
+
+
+def judge_row(p: RunParts, before: tuple[int, int]) -> dict:
+    """The run's judge since `before` (judge_counts), over the processes: judge/failures,
+    judge/verdicts (asked) and judge/failure_rate (failures / verdicts, 0 when none were asked);
+    {} without a judge. Every rank calls it (a collective)."""
+    if p.judge is None:
+        return {}
+    now = judge_counts(p.judge)
+    delta = torch.tensor([now[0] - before[0], now[1] - before[1]], dtype=torch.float64)
+    failed, asked = (int(x) for x in all_reduce(delta, p.world).tolist())
+    return {"judge/failures": failed, "judge/verdicts": asked, "judge/failure_rate": failed / asked if asked else 0.0}
+
+
+def check_judge(p: RunParts, row: dict) -> None:
+    """A TrainingFault when more than train.judge_max_failure_rate of the step's verdicts failed:
+    each scored 0 (on_failure "zero"), and a step of them would train on zeros as if the judge had
+    said no. Names the judge, the rate, the key and the last failure's cause. Every rank calls it."""
+    limit = p.cfg.train.judge_max_failure_rate
+    if row.get("judge/failure_rate", 0.0) <= limit:
+        return
+    mine = getattr(p.judge, "last_failure", "")
+    cause = next(iter(gather_lists([mine] if mine else [], p.world)), "not recorded")
+    where = getattr(p.judge, "url", "") or p.judge.model
+    raise TrainingFault(f"judge {where}: {row['judge/failures']} of {row['judge/verdicts']} verdicts failed "
+                        f"({row['judge/failure_rate']:.0%}), more than train.judge_max_failure_rate {limit:g}; "
+                        f"not training on their zeros. Last failure: {' '.join(cause.split())}")  # fmt: skip
 
 
 def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
@@ -532,10 +570,13 @@ def run_eval(p: RunParts) -> dict:
                         p.search_fn, p.cfg)  # fmt: skip
     val_records = gather_lists(mine, p.world, every=p.tp)
     ev = summarize(val_records)  # EM-scored (rollout_mode)
+    before = judge_counts(p.judge)
     score_shared(val_records, p.cfg.train.reward, reward_params(p.constraints, p.cfg.train.reward_params), p.judge,
                  p.rank, p.world)  # fmt: skip
     ev |= {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
-    return ev | broadcast(paper_metrics(val_records, p.measure_judge) if p.main else None, p.world)
+    ev |= broadcast(paper_metrics(val_records, p.measure_judge) if p.main else None, p.world)
+    # logged, not stopped on: validation trains nothing, and the next step stops on a dead judge anyway
+    return ev | judge_row(p, before)
 
 
 def after_eval(p: RunParts, ev: dict) -> None:

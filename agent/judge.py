@@ -13,27 +13,40 @@ bare 1 or 0, and the first 1/0 (or yes/no) in the reply is the verdict.
 The HTTP backend speaks the OpenAI-compatible API (`/completions`, or `/chat/completions` with
 api="chat") with a timeout per prompt that bounds the whole call (retries and a server that
 trickles bytes included), retries with exponential backoff (capped at 30 s) on connection
-errors, timeouts and 5xx, bounded concurrency, and an on-disk cache keyed by model and
-prompt (sqlite). When a prompt still fails, or the reply is malformed, `on_failure` decides: "error" raises JudgeError,
-"zero" scores 0 and counts it in `judge.failures`. Failures are never silent: they are counted,
-and the first message of each kind is printed.
+errors, timeouts and 5xx, and on 429 (a gateway's rate limit) after the Retry-After it asks for,
+bounded concurrency, and an on-disk cache keyed by model and prompt (sqlite). Other 4xx are
+permanent refusals. When a prompt still fails, or the reply is malformed, `on_failure` decides:
+"error" raises JudgeError, "zero" scores 0 and counts it in `judge.failures` (of `judge.asked`,
+with the cause in `judge.last_failure`; train.py logs the rate each step and stops above
+train.judge_max_failure_rate). Failures are never silent: they are counted, and the first
+message of each kind is printed. Within one `verdicts` call, a prompt that used its whole timeout
+while no prompt got a reply shows the judge down: the call's prompts not yet sent fail at once
+("skipped"), so a dead judge costs one timeout, not one per prompt.
+
+Rewards ask record by record; `asked_at_once(judge, work)` runs such code twice, first with a
+stand-in that only collects the prompts, so that all of them go to the judge in one concurrent
+call (rewards.compute and report.metrics.compute_metrics do).
 """
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import http.client
 import json
+import math
 import re
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from agent.answers import exact_match
-from search.server import post_by
+from search.server import post_reply
 from search.web import SOURCE_OPERATORS
 
 PROMPTS = {
@@ -85,6 +98,21 @@ def reply_text(raw: bytes, chat: bool) -> str:
     return text
 
 
+def retry_after(value: str | None) -> float | None:
+    """The seconds a 429's Retry-After header asks for: "5" -> 5.0, an HTTP date -> the seconds
+    until it (0 if past); absent or unreadable -> None (the caller backs off on its own)."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, IndexError):
+            return None
+    return max(0.0, seconds) if seconds == seconds else None  # NaN: unreadable
+
+
 def parse_verdict(text: str) -> float | None:
     """'1' / 'Yes.' -> 1.0, '0' / 'no' -> 0.0, anything else -> None."""
     m = _VERDICT.search(text or "")
@@ -106,7 +134,9 @@ class Judge:
     # of "1" against "0" in process. Any model then gives a verdict, never a parse failure.
     constrain: bool = True
     cache_path: str = ""  # sqlite file; empty: no cache
-    failures: int = 0
+    failures: int = 0  # verdicts that failed (on_failure "zero": scored 0)
+    asked: int = 0  # verdicts asked for (cached ones included): the failure rate's denominator
+    last_failure: str = ""  # why the latest failed verdict failed (a skipped one names no new cause)
     retried: int = 0
     calls: int = 0
     cache_hits: int = 0
@@ -114,6 +144,8 @@ class Judge:
     _db: object = field(default=None, repr=False)
     _hf: object = field(default=None, repr=False)
     _said: set = field(default_factory=set, repr=False)
+    _last_reply: float = field(default=-math.inf, repr=False)  # time.monotonic() of the judge's latest answer
+    _down: str = field(default="", repr=False)  # set once this verdicts call found the judge down: why
 
     def prompt(self, kind: str, **fields) -> str:
         def fill(v):
@@ -124,6 +156,9 @@ class Judge:
 
     def verdicts(self, prompts: list[str]) -> list[float]:
         """One 0/1 verdict per prompt (cached ones first, the rest concurrently)."""
+        with self._lock:
+            self.asked += len(prompts)
+            self._down = ""  # each call finds out afresh whether the judge is up
         out: list[float | None] = [self._cached(p) for p in prompts]
         todo = [i for i, v in enumerate(out) if v is None]
         if todo and self.url:
@@ -139,6 +174,8 @@ class Judge:
     def _fail(self, why: str) -> float:
         with self._lock:
             self.failures += 1
+            if not why.startswith("skipped"):
+                self.last_failure = why
             kind = why.split(":")[0]
             if kind not in self._said:
                 self._said.add(kind)
@@ -180,11 +217,13 @@ class Judge:
             body["structured_outputs"] = {"choice": ["0", "1"]}  # vLLM >= 0.11's guided choice
         endpoint = self.url.rstrip("/") + ("/chat/completions" if chat else "/completions")
         data = json.dumps(body).encode()
-        deadline = time.monotonic() + self.timeout  # the whole call: retries and backoff included
-        last, attempts = "", 0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                pause = min(30.0, self.backoff * 2 ** (attempt - 1))
+        started = time.monotonic()
+        deadline = started + self.timeout  # the whole call: retries and backoff included
+        last, attempts, errors, limited, pause = "", 0, 0, 0, 0.0
+        while True:
+            if self._down:  # another prompt of this call found the judge down: waiting would be for nothing
+                return self._fail(f"skipped: {self._down}")
+            if attempts:
                 if time.monotonic() + pause >= deadline:
                     break
                 with self._lock:
@@ -194,27 +233,52 @@ class Judge:
                 self.calls += 1
             attempts += 1
             try:
-                status, raw = post_by(endpoint, data, deadline)
+                status, raw, headers = post_reply(endpoint, data, deadline)
             except ValueError as e:  # not an http(s) URL: no retry helps
                 return self._fail(f"unreachable: {e}")
             except (OSError, http.client.HTTPException) as e:  # timeouts, resets, IncompleteRead, ...
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if status != 200:
+                status, last = 0, f"{type(e).__name__}: {e}"
+            if status == 200:
+                return self._verdict_of(prompt, raw, chat)
+            if status:
                 last = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
-                if status < 500:
-                    return self._fail(f"refused: {last}")
+            if status == 429:  # a rate limit, not a refusal: ask again after the wait the server asks for
+                limited += 1  # bounded by the deadline alone: the server said when to come back
+                asked_for = retry_after(headers.get("Retry-After"))
+                # at least 0.1 s: "Retry-After: 0" must not make a busy loop of the rest of the timeout
+                pause = max(0.1, asked_for) if asked_for is not None else min(30.0, self.backoff * 2 ** (limited - 1))
                 continue
-            try:
-                reply = reply_text(raw, chat)
-            except ValueError as e:
-                return self._fail(f"malformed reply: {e}: {raw[:80]!r}")
-            verdict = parse_verdict(reply)
-            if verdict is None:
-                return self._fail(f"no verdict: reply {reply[:80]!r}")
-            self._store(prompt, reply)
-            return verdict
-        return self._fail(f"unreachable: {attempts} attempt(s) in the {self.timeout:g} s timeout, last error {last}")
+            if 0 < status < 500:
+                self._last_reply = time.monotonic()  # a refusal of this prompt: the judge itself answers
+                return self._fail(f"refused: {last}")
+            errors += 1
+            if errors > self.retries:
+                break
+            pause = min(30.0, self.backoff * 2 ** (errors - 1))
+        return self._unreachable(f"{attempts} attempt(s) in the {self.timeout:g} s timeout, last error {last}", started)
+
+    def _verdict_of(self, prompt: str, raw: bytes, chat: bool) -> float:
+        """A 200 reply's verdict, stored in the cache; a malformed one goes through the failure policy."""
+        self._last_reply = time.monotonic()
+        try:
+            reply = reply_text(raw, chat)
+        except ValueError as e:
+            return self._fail(f"malformed reply: {e}: {raw[:80]!r}")
+        verdict = parse_verdict(reply)
+        if verdict is None:
+            return self._fail(f"no verdict: reply {reply[:80]!r}")
+        self._store(prompt, reply)
+        return verdict
+
+    def _unreachable(self, why: str, started: float) -> float:
+        """A prompt that used its whole timeout, asked since `started`: counted, and when no prompt got
+        a reply in that time either, the judge is down for the rest of this verdicts call. A hanging
+        judge then costs one timeout per call (the prompts in flight), not one per prompt, and one
+        slow prompt of a judge that answers the others stops nothing."""
+        with self._lock:
+            if self._last_reply < started and not self._down:
+                self._down = f"the judge is down (no reply to any prompt in the {self.timeout:g} s timeout)"
+        return self._fail(f"unreachable: {why}")
 
     def _hf_verdicts(self, prompts: list[str]) -> list[float]:
         import torch
@@ -309,6 +373,7 @@ class RuleJudge:
 
     model: str = RULE_JUDGE
     failures: int = 0
+    asked: int = 0
     calls: int = 0
 
     def prompt(self, kind: str, **fields) -> str:
@@ -318,6 +383,7 @@ class RuleJudge:
 
     def verdicts(self, prompts: list[str]) -> list[float]:
         self.calls += len(prompts)
+        self.asked += len(prompts)
         out = []
         for p in prompts:
             fields = json.loads(p)
@@ -335,3 +401,64 @@ def make_judge(url: str = "", model: str = "", hf: bool = False, **kw) -> Judge 
     if kw.get("on_failure", "error") not in ("error", "zero"):
         raise ValueError(f"on_failure must be 'error' or 'zero', got {kw['on_failure']!r}")
     return Judge(model=model, url="" if hf else url, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# Every verdict of a batch in one call.
+
+T = TypeVar("T")
+
+
+class _Recorder:
+    """A judge's interface that only writes down the prompts it is given and answers 0."""
+
+    def __init__(self, judge) -> None:
+        self.judge, self.prompts = judge, []
+
+    def prompt(self, kind: str, **fields) -> str:
+        return self.judge.prompt(kind, **fields)
+
+    def verdicts(self, prompts: list[str]) -> list[float]:
+        self.prompts.extend(prompts)
+        return [0.0] * len(prompts)
+
+
+class _Answered:
+    """A judge's interface over verdicts already asked for (a memo of this batch, whether or not the
+    judge has a cache); a prompt not among them is asked of the judge then."""
+
+    def __init__(self, judge, prompts: list[str]) -> None:
+        self.judge, self.memo = judge, {}
+        self._ask(prompts)
+
+    def __getattr__(self, name: str):  # failures, model, ...: the judge's own
+        return getattr(self.judge, name)
+
+    def _ask(self, prompts: list[str]) -> None:
+        todo = [p for p in dict.fromkeys(prompts) if p not in self.memo]  # a group's rollouts often agree
+        if todo:
+            self.memo.update(zip(todo, self.judge.verdicts(todo)))
+
+    def prompt(self, kind: str, **fields) -> str:
+        return self.judge.prompt(kind, **fields)
+
+    def verdicts(self, prompts: list[str]) -> list[float]:
+        self._ask(prompts)
+        return [self.memo[p] for p in prompts]
+
+
+def asked_at_once(judge, work: Callable[[object], T]) -> T:
+    """work(judge), with every verdict it asks for asked in ONE judge.verdicts call, so the judge's
+    concurrency is used even by code that asks record by record (the rewards): work runs first
+    with a stand-in that collects its prompts and answers 0, then the distinct prompts go to the
+    judge at once, then work runs for real on those verdicts (a memo: free, cache or not). A prompt
+    the first run did not ask (one that depends on an earlier verdict) is asked when it comes.
+    Without a judge, work(None)."""
+    if judge is None:
+        return work(None)
+    recorder = _Recorder(judge)
+    try:
+        work(recorder)
+    except Exception:  # a failure of the zeros' run alone; a real one is met again below
+        pass
+    return work(_Answered(judge, recorder.prompts))

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from agent.answers import ACTIONS, exact_match, f1_score, golden_of, parsed, substring_match
+from agent.judge import asked_at_once
 from rewards import answer_verdict, info_think, source_restricting, think_answer, think_search
 
 N_BINS = 15  # ECE bins (issue 6; Guo et al. 2017 use 15 as well)
@@ -361,29 +362,35 @@ def compute_metrics(records: list[dict], zeta: float = 5, judge=None, reference_
     cached = [r for r in [*records, *(reference_records or [])] if "_parsed" not in r]
     failures = getattr(judge, "failures", 0)
     try:
-        correct = correctness(records, judge)
-        keys = [question_key(r) for r in records]
-        out: dict = {"n": len(records)}
-        if None not in keys:
-            out["n_questions"] = len(set(keys))
-        out |= answer_metrics(records)
-        if judge is not None:
-            out["judge_acc"] = _mean(correct)
-        out |= deliberative_metrics(records, correct, zeta)
-        out |= bapo_metrics(records, correct)
-        if reference_records is not None:
-            rate = rejection_success_rate(records, reference_records, judge)
-            if rate is not None:
-                out["bapo_rejection_success"] = rate
-        out |= calibration_metrics(records, correct, n_bins)
-        out |= faithfulness_metrics(records, judge)
-        out |= behaviour_metrics(records)
+        # every verdict (correctness, faithfulness, the reference's) asked in one concurrent call
+        out = asked_at_once(judge, lambda j: _metrics(records, zeta, j, reference_records, n_bins))
         if judge is not None and isinstance(getattr(judge, "failures", None), int):
             out["judge_failures"] = judge.failures - failures
         return out
     finally:
         for r in cached:
             r.pop("_parsed", None)
+
+
+def _metrics(records: list[dict], zeta: float, judge, reference_records: list[dict] | None, n_bins: int) -> dict:
+    """compute_metrics' work, with the judge (or the stand-in) asked_at_once gives it."""
+    correct = correctness(records, judge)
+    keys = [question_key(r) for r in records]
+    out: dict = {"n": len(records)}
+    if None not in keys:
+        out["n_questions"] = len(set(keys))
+    out |= answer_metrics(records)
+    if judge is not None:
+        out["judge_acc"] = _mean(correct)
+    out |= deliberative_metrics(records, correct, zeta)
+    out |= bapo_metrics(records, correct)
+    if reference_records is not None:
+        rate = rejection_success_rate(records, reference_records, judge)
+        if rate is not None:
+            out["bapo_rejection_success"] = rate
+    out |= calibration_metrics(records, correct, n_bins)
+    out |= faithfulness_metrics(records, judge)
+    return out | behaviour_metrics(records)
 
 
 def metrics_by_dataset(records: list[dict], zeta: float = 5, judge=None, reference_records: list[dict] | None = None,

@@ -336,12 +336,18 @@ def serve(args) -> None:
 
 
 def post_by(endpoint: str, data: bytes, deadline: float) -> tuple[int, bytes]:
-    """POST JSON `data` -> (HTTP status, reply body), all of it (connect, send, status line,
-    headers, body) over by `deadline` (a time.monotonic() value). A socket timeout alone bounds
-    each read, not the call: a server trickling a byte a second held a 2 s call for 25 s. At the
-    deadline a watchdog shuts the socket down and the call raises TimeoutError. Transport
-    failures raise OSError or http.client.HTTPException (IncompleteRead, BadStatusLine, ...); a
-    URL that is not http(s) raises ValueError."""
+    """POST JSON `data` -> (HTTP status, reply body) by `deadline`: post_reply without the headers."""
+    status, reply, _ = post_reply(endpoint, data, deadline)
+    return status, reply
+
+
+def post_reply(endpoint: str, data: bytes, deadline: float) -> tuple[int, bytes, http.client.HTTPMessage]:
+    """POST JSON `data` -> (HTTP status, reply body, reply headers: .get is case-insensitive), all
+    of it (connect, send, status line, headers, body) over by `deadline` (a time.monotonic()
+    value). A socket timeout alone bounds each read, not the call: a server trickling a byte a
+    second held a 2 s call for 25 s. At the deadline a watchdog shuts the socket down and the call
+    raises TimeoutError. Transport failures raise OSError or http.client.HTTPException
+    (IncompleteRead, BadStatusLine, ...); a URL that is not http(s) raises ValueError."""
     parts = urllib.parse.urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {endpoint!r}")
@@ -380,7 +386,7 @@ def post_by(endpoint: str, data: bytes, deadline: float) -> tuple[int, bytes]:
         conn.close()
     if expired.is_set():  # a reply cut short by the watchdog can still parse: never trust it
         raise TimeoutError("timed out")
-    return resp.status, reply
+    return resp.status, reply, resp.headers
 
 
 def search_r1_result(reply: bytes, n: int) -> list[list[dict]]:

@@ -136,8 +136,8 @@ def test_fixed_set_with_a_judge_by_hand():
     # the judge also accepts row 7's "the city of Velor": N_c 4 -> judge_acc = acc = 4/7
     assert m["judge_acc"] == pytest.approx(4 / 7) and m["acc"] == pytest.approx(4 / 7)
     assert m["em"] == pytest.approx(3 / 7)  # EM itself is never judged
-    # the IDK row is never sent to the judge: 6 answer prompts
-    assert sum(p["kind"] == "answer" for p in judge.asked) == 6
+    # the IDK row is never sent to the judge; the 6 others ask 3 distinct prompts, each once (asked_at_once)
+    assert sorted(p["answer"] for p in judge.asked if p["kind"] == "answer") == ["Kesh", "Velor", "the city of Velor"]
     # BAPO: prec 4/6, reliability 6/7 * 4/6 + 1/7 * 4/7 = 4/7 + 4/49 = 32/49
     assert m["bapo_prec"] == pytest.approx(4 / 6) and m["bapo_reliability"] == pytest.approx(32 / 49)
     # row 7 is now right but states no confidence: still neither reliable nor false-certain
@@ -145,7 +145,7 @@ def test_fixed_set_with_a_judge_by_hand():
     # VERITAS, over rows with pairs (1, 2, 3, 6): info-think 1, 1, 0 ("I recall Kesh."), 1 -> 3/4;
     # think-search 1, 1, 1, 0 ("weather today") -> 3/4. Rows 4, 5, 7 never searched: left out
     assert m["info_think"] == pytest.approx(0.75) and m["think_search"] == pytest.approx(0.75)
-    assert m["judge_failures"] == 2  # the two "Kesh" answers
+    assert m["judge_failures"] == 1  # the "Kesh" answer of rows 3 and 4: one prompt, asked once
 
 
 def test_consistent_with_the_reward_components():

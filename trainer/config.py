@@ -265,6 +265,13 @@ class TrainConfig:
     # "" none, "rule" the tiny world's rule judge (judge.RuleJudge), or an OpenAI-compatible URL
     judge: str = ""
     judge_model: str = ""  # the model name on that server
+    judge_timeout: float = 60.0  # seconds one verdict may take over HTTP, its retries and waits included
+    judge_concurrency: int = 8  # verdicts in flight at once; a step's verdicts are asked in one batch
+    # The run stops (one line: the judge, the rate, this key, the last failure) when more than this
+    # share of a step's verdicts failed (judge unreachable, refusing, malformed replies): each failed
+    # verdict scores 0, and a step of them would train on zeros as if the judge had said no.
+    # 1: never stop (failures are still logged: judge/failure_rate); 0: stop at the first one.
+    judge_max_failure_rate: float = 0.5
     algo: str = "grpo"  # grpo | ppo (critic + GAE, trainer/ppo.py) | rft (rejection-sampling fine-tuning)
     # Passes over each rollout batch and optimizer steps per pass (BAPO: 2 epochs, batch 64 /
     # mini-batch 16 = 4). With more than one update, pi_old is recomputed by the trainer.
@@ -543,6 +550,9 @@ RANGES = {
     "train.keep_checkpoints": ">= 1",
     "train.threads": ">= 1",
     "train.dist_timeout": "> 0",
+    "train.judge_timeout": "> 0",
+    "train.judge_concurrency": ">= 1",
+    "train.judge_max_failure_rate": "[0, 1]",  # a share of the step's verdicts
     "train.eval_every": ">= 0",  # 0: never
     "train.save_every": ">= 0",  # 0: only at the end
     "train.samples_per_step": ">= 0",
