@@ -18,7 +18,7 @@ source, WebFilter §3 search operators. The code lives in `search/`:
   corpus.py  the corpus as byte spans; integrity.py its digest (checked at load and while served)
   files.py   index files written whole (fsync, rename) and read back checked
   web.py     web-style search with operators (site:, before:, "phrase", -term, AND/OR/NOT), READ
-  search/server.py  the HTTP server with request limits and batching, and the client with a timeout
+  server.py  the HTTP server with request limits and batching; client.py the client with a timeout
   tools.py   what a rollout calls: the in-process index or the server, chosen by `retriever.*`
 
 Training and eval use an index through config keys (python -m trainer.config --keys retriever):

@@ -84,7 +84,7 @@ from eval import rollout_mode, summarize
 from report.metrics import batch_metrics, paper_metrics
 from rewards import BapoState, bapo_resample_groups, check_reward, score
 from rollout import check_chat_template, rollout_batch
-from search.server import RetrieverError
+from search.client import RetrieverError
 from search.tools import check_retriever, make_search_fn
 from trainer.checkpoint import (
     check_writable,

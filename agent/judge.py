@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from agent.answers import exact_match
-from search.server import post_reply
+from search.client import post_reply
 from search.web import SOURCE_OPERATORS
 
 PROMPTS = {

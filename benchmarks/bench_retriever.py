@@ -95,7 +95,7 @@ def server_load(index_dir: Path, queries: list[str], clients: int, per_request: 
             break
         except OSError:
             time.sleep(0.2)
-    from search.server import http_retrieve
+    from search.client import http_retrieve
 
     requests = [queries[i : i + per_request] for i in range(0, len(queries), per_request)]
     latencies: list[float] = []

@@ -5,7 +5,7 @@
     tools = make_search_fn(cfg_deliberative, ...)          # {"search", "read"} (web protocols)
 
 This is the one place that chooses between the index in this process (index.py, with
-WebFilter's operators through web.py) and a retrieval server (search/server.py's client), so both of
+WebFilter's operators through web.py) and a retrieval server (search/client.py), so both of
 those stay below it. Building an index imports bm25s (numba): call these after vLLM has
 started in the process (docs/design.md §6).
 """
@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from search.client import RetrieverError, http_retrieve
 from search.index import Index, ensure_index, format_hits, format_hits_search_r1, load_index
-from search.server import RetrieverError, http_retrieve
 from search.web import operator_search, read, web_search
 from trainer.config import Config, ConfigError
 
@@ -53,7 +53,7 @@ def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int]
     next to the corpus, built on first use. In process, queries with advanced operators
     (`site:tinypedia.org`, `-term`, ...) are filtered as search/web.py does. Over HTTP, each call
     retries a server that is down or answers 5xx until `retriever.timeout` (`retriever.retries`
-    0: never), then raises search.server.RetrieverError; a batch goes in requests of at most
+    0: never), then raises search.client.RetrieverError; a batch goes in requests of at most
     `retriever.max_queries_per_request` queries, each cut to `retriever.max_query_chars`."""
     if rcfg.url:
         retries = 0 if rcfg.retries == 0 else None  # None: until the timeout (config.py says why)

@@ -15,8 +15,9 @@ import urllib.request
 import pytest
 from conftest import free_port
 
+from search.client import http_retrieve
 from search.index import build_index, load_index
-from search.server import Limits, create_app, http_retrieve
+from search.server import Limits, create_app
 from tiny.world import generate_world, write_jsonl
 from trainer.config import WorldConfig
 

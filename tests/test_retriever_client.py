@@ -1,4 +1,4 @@
-"""The retrieval client (search.server.http_retrieve, what rollouts call over HTTP) against
+"""The retrieval client (search.client.http_retrieve, what rollouts call over HTTP) against
 servers that misbehave, all on 127.0.0.1: nothing listening, a server that never answers or
 trickles bytes, a 200 that is not Search-R1's format, a server down for 10 s then back, one that
 never comes back. Its timeout bounds the whole call, it retries until that timeout, and every
@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import RawReply, free_port
 
-from search.server import RetrieverError, http_retrieve
+from search.client import RetrieverError, http_retrieve
 from search.tools import open_search
 from trainer.config import RetrieverConfig
 

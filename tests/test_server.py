@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
+from search.client import RetrieverError, http_retrieve
 from search.index import build_index, load_index, search
-from search.server import Limits, RetrieverError, create_app, header_timeout_protocol, http_retrieve
+from search.server import Limits, create_app, header_timeout_protocol
 from search.tools import open_search
 from trainer.config import RetrieverConfig
 
