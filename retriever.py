@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--max-query-chars", type=int, default=2048,
                    help="characters per query (default 2048 = the client's retriever.max_query_chars)")  # fmt: skip
     v.add_argument("--max-topk", type=int, default=100, help="largest topk (default 100)")
+    v.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a client may take to read each 64 KiB of its reply before it is dropped (default 30)")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "build":

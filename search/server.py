@@ -33,6 +33,7 @@ The client rollouts use is search/client.py.
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from search.corpus import get_passage
@@ -41,6 +42,9 @@ from search.integrity import CorpusChanged
 from search.web import read, web_search
 
 DRAIN_BYTES = 64 * 2**20
+WRITE_PIECE = 1 << 16  # bytes of a /retrieve reply sent at a time (TimedReply)
+SMALL = 16  # queries: a request this small joins the next search whatever is queued before it (next_batch)
+SMALL_REPLY = 1_000  # passages: a reply this small is built in its own threads, never behind big ones
 
 @dataclass
 class Limits:
@@ -51,6 +55,9 @@ class Limits:
     # seconds for a request's headers to arrive, from the connection's opening or its last reply
     header_timeout: float = 10.0
     max_scan: int = 10_000  # /search: candidates checked against the operators (web.MAX_SCAN)
+    # seconds a client may take to read each WRITE_PIECE of its reply; one that stops reading loses
+    # its connection and the reply's memory (30 unread 512 x top-100 replies held 450 MB)
+    write_timeout: float = 30.0
 
     @property
     def max_body_bytes(self) -> int:  # generous for JSON escaping; a hard cap before parsing
@@ -116,15 +123,63 @@ def parse_retrieve(data: dict, limits: Limits) -> tuple[list[str], int, bool]:
     return queries, check_topk(data.get("topk", 3), limits), with_scores
 
 
+def next_batch(pending: list[tuple], max_queries: int) -> list[tuple]:
+    """The requests of the next index call, taken out of `pending` (queued (queries, ...) entries,
+    oldest first): every small one (<= SMALL queries), then the others in order while the batch
+    holds fewer than max_queries queries. A 1-query request so waits for the search in flight at
+    most, not behind 30 queued requests of 512 queries each (88e794b: > 10 s).
+
+    >>> pending = [(["q"] * 512,), (["q"] * 512,), (["q"],)]
+    >>> [len(e[0]) for e in next_batch(pending, 512)], [len(e[0]) for e in pending]
+    ([1, 512], [512])
+    """
+    batch = [e for e in pending if len(e[0]) <= SMALL]
+    size = sum(len(e[0]) for e in batch)
+    for entry in pending:
+        if len(entry[0]) > SMALL and (size < max_queries or not batch):
+            batch.append(entry)
+            size += len(entry[0])
+    taken = {id(e) for e in batch}
+    pending[:] = [e for e in pending if id(e) not in taken]
+    return batch
+
+
 def create_app(index, limits: Limits):
     """The FastAPI app over a loaded `retriever.Index`."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
     app = FastAPI(title="search-agent retriever")
-    stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0, "answered": 0}
+    stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0, "answered": 0, "write_timeouts": 0}
     queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request, return_scores)
     worker: list[asyncio.Task] = []
+    # Replies are built in threads (GIL-bound JSON): big ones two at a time, so the event loop and the
+    # small ones, in threads of their own, are never queued behind them. A request waits for its
+    # slot here, not in a pool's queue, so a client gone meanwhile is seen before its passages are read.
+    pools = {size: (asyncio.Semaphore(2), ThreadPoolExecutor(2, thread_name_prefix=f"{size}-replies"))
+             for size in ("big", "small")}  # fmt: skip
+
+    class TimedReply(Response):
+        """The reply in WRITE_PIECE pieces, each sent within `timeout` s (the client reading the one
+        before); past it the rest is dropped and uvicorn closes the connection, counted in
+        /health's write_timeouts. uvicorn waits for a client to read before it takes the next piece
+        (its flow control), so a slow reader holds one piece in its buffers, not the reply."""
+
+        def __init__(self, body: bytes, timeout: float, stats: dict):
+            super().__init__(body, media_type="application/json")
+            self.timeout, self.stats = timeout, stats
+
+        async def __call__(self, scope, receive, send) -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            body, self.body = self.body, b""
+            for start in range(0, len(body), WRITE_PIECE):
+                piece = {"type": "http.response.body", "body": body[start : start + WRITE_PIECE],
+                         "more_body": start + WRITE_PIECE < len(body)}  # fmt: skip
+                try:
+                    await asyncio.wait_for(send(piece), self.timeout)
+                except TimeoutError:
+                    self.stats["write_timeouts"] += 1
+                    return
 
     def reply_body(rows: list[list[tuple[int, float]]], topk: int, with_scores: bool) -> bytes:
         """One request's /retrieve reply, JSON bytes: its passages read for its own topk, each
@@ -150,18 +205,19 @@ def create_app(index, limits: Limits):
 
     async def drain():
         # Work of clients that have gone is skipped: 30 aborted requests of 512 queries x topk
-        # 100 once held /retrieve for 20 s of searches nobody would read. The batch is one index
-        # call (at its largest topk); then each request's passages, where most of the time goes,
-        # are read for its own topk only, and only if its client is still there.
+        # 100 once held /retrieve for 20 s of searches nobody would read. A batch is one index
+        # call (at its largest topk, next_batch: small requests first); each request then reads
+        # its own passages for its own topk, in its handler, so the next search need not wait.
+        pending: list[tuple] = []
         while True:
-            first = await queue.get()
-            if await gone(first):
+            if not pending:
+                pending.append(await queue.get())
+            while not queue.empty():
+                pending.append(queue.get_nowait())
+            pending = [entry for entry in pending if not await gone(entry)]
+            if not pending:
                 continue
-            batch = [first]
-            while not queue.empty() and sum(len(b[0]) for b in batch) < limits.max_queries:
-                entry = queue.get_nowait()
-                if not await gone(entry):
-                    batch.append(entry)
+            batch = next_batch(pending, limits.max_queries)
             queries = [q for b in batch for q in b[0]]
             try:
                 rows = await asyncio.to_thread(search_rows, index, queries, max(b[1] for b in batch))
@@ -170,17 +226,17 @@ def create_app(index, limits: Limits):
                 at = 0
                 for entry in batch:
                     mine, at = rows[at : at + len(entry[0])], at + len(entry[0])
-                    if not await gone(entry):
-                        body = await asyncio.to_thread(reply_body, mine, entry[1], entry[4])
-                        if not entry[2].done():
-                            entry[2].set_result(body)
-                            stats["answered"] += 1
+                    if not entry[2].done():
+                        entry[2].set_result(mine)
             except Exception as e:  # noqa: BLE001 - answered as a 500 to every request still waiting
-                # a corpus rewritten mid-batch fails its passage reads: say that (a 503), not the JSON error
-                e = CorpusChanged(why) if index.guard and (why := await asyncio.to_thread(index.guard.reason)) else e
                 for b in batch:
                     if not b[2].done():
-                        b[2].set_exception(e)
+                        b[2].set_exception(await said(e))
+
+    async def said(e: Exception) -> Exception:
+        """A corpus rewritten under the server fails its passage reads: say that (a 503), not the error."""
+        why = index.guard and await asyncio.to_thread(index.guard.reason)
+        return CorpusChanged(why) if why else e
 
     async def read_body(request: Request) -> dict:
         # An oversized body is read to the end and dropped (up to DRAIN_BYTES) so the client gets
@@ -223,12 +279,21 @@ def create_app(index, limits: Limits):
         stats["requests"] += 1
         if not worker:
             worker.append(asyncio.create_task(drain()))
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         await queue.put((queries, topk, fut, request, with_scores))
-        body = await fut
-        if body is None:  # the client disconnected before its search: nobody reads this
-            return JSONResponse({"error": "client disconnected"}, status_code=499)
-        return Response(body, media_type="application/json")
+        rows = await fut
+        slots, pool = pools["small" if len(queries) * topk <= SMALL_REPLY else "big"]
+        async with slots:
+            if rows is None or await request.is_disconnected():  # gone before its passages are read
+                stats["dropped"] += rows is not None
+                return JSONResponse({"error": "client disconnected"}, status_code=499)
+            try:
+                body = await loop.run_in_executor(pool, reply_body, rows, topk, with_scores)
+            except Exception as e:  # noqa: BLE001 - the exception handlers answer it
+                raise await said(e) from None
+        stats["answered"] += 1
+        return TimedReply(body, limits.write_timeout, stats)
 
     @app.post("/search")
     async def web(request: Request):
@@ -306,7 +371,7 @@ def serve(args) -> None:
 
     index = load_index(args.index, args.corpus, args.search_params, bm25_backend=args.bm25_backend,
                        faiss_on_gpus=True)  # one server per machine: the dense index over its GPUs
-    limits = Limits(args.max_queries, args.max_query_chars, args.max_topk)
+    limits = Limits(args.max_queries, args.max_query_chars, args.max_topk, write_timeout=args.write_timeout)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the server is reachable beyond this machine", flush=True)
     print(

@@ -89,12 +89,53 @@ def test_faults_leave_retrieve_answering_within_a_second(index):
         assert len(hits[0]) == 3 and time.monotonic() - t < 1.0
         replies = [answer(s) for s in slow]  # each a 408 after 0.5 s, then a closed connection
         assert all(r.startswith(b"HTTP/1.1 408") for r in replies), replies[0][:200]
-        after = health(url)
-        # every aborted request not answered before its client left is dropped, but for the batch
-        # that was being searched as they left (at most max_queries // 128 = 4 requests)
+        deadline, after = time.monotonic() + 10, health(url)
+        while after["dropped"] + after["answered"] < N_ABORTED + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # requests still waiting for a reply slot see their client gone
+            after = health(url)
+        # every aborted request not answered before its client left is dropped, but for those in
+        # hand as they left: a batch being searched (max_queries // 128 = 4) or 2 replies being built
         assert after["status"] == "ok" and after["dropped"] >= N_ABORTED - answered_before - 4, (after, answered_before)
 
 
 def health(url: str) -> dict:
     with urllib.request.urlopen(url + "/health", timeout=5) as r:
         return json.loads(r.read())
+
+
+N_READERS = 30  # the issue's case: 30 clients asking 512 queries x top-100 that never read their replies
+
+
+def test_slow_readers_neither_starve_a_small_request_nor_keep_their_replies(index):
+    """88e794b built the slow readers' replies one after another in the batching worker (a
+    1-query request waited > 15 s behind them) and kept each until its client read it (450 MB
+    for 30). Now a small request rides along in the next search, its reply is built apart, and
+    a reply not read within `write_timeout` is dropped with its connection."""
+    limits = Limits()
+    limits.write_timeout = 1.0
+    with app_server(index, limits) as (url, port):
+        assert http_retrieve(url, ["born"], 3, timeout=5)[0]  # warm
+        work = json.dumps({"queries": [f"born in the city {i}" for i in range(512)], "topk": 100}).encode()
+        readers = []
+        for _ in range(N_READERS):  # a small receive window: the kernel holds little of a reply for them
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(work) + work)
+            readers.append(s)
+        time.sleep(0.5)  # their searches and replies under way
+        t = time.monotonic()
+        hits = http_retrieve(url, ["Where was someone born?"], 3, timeout=30, retries=0)
+        small = time.monotonic() - t
+        print(f"1-query request beside {N_READERS} slow readers: {small:.2f} s")
+        assert len(hits[0]) == 3 and small < 2.0, small
+        deadline = time.monotonic() + 60
+        while health(url)["write_timeouts"] < N_READERS and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert health(url)["write_timeouts"] == N_READERS  # every unread reply dropped
+        head = readers[0].recv(4096)
+        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        got = len(head) - head.index(b"\r\n\r\n") - 4 + len(answer(readers[0]))
+        assert got < length  # the connection was closed mid-reply: the server kept nothing for it
+        for s in readers[1:]:
+            s.close()
