@@ -34,7 +34,8 @@ def test_a_question_too_long_for_the_model_is_refused_with_its_line(micro, tmp_p
     for split in ("train", "val", "test"):  # the world's own questions all fit
         check_prompt_lengths(load_questions(world / f"{split}.jsonl"), tokenizer, cfg.rollout, world / f"{split}.jsonl")
     f = tmp_path / "q.jsonl"
-    f.write_text(question("q1") + "\n" + question("huge", "Where was Tavi Morek born? " * 40_000) + question("q3"))
+    # 27 KB: under the bytes that could fit (check_prompt_lengths refuses more untokenised), 6,000+ tokens
+    f.write_text(question("q1") + "\n" + question("huge", "Where was Tavi Morek born? " * 1_000) + question("q3"))
     qs = load_questions(f)
     t0 = time.time()
     with pytest.raises(DataError) as e:
@@ -42,7 +43,7 @@ def test_a_question_too_long_for_the_model_is_refused_with_its_line(micro, tmp_p
     assert time.time() - t0 < 60  # 2.5 s on 2 idle cores, 6 s on 2 cores shared by 6 processes
     m = cfg.rollout.max_model_len
     assert str(e.value).startswith(f"{f}:3: question 'huge' is ") and f"over rollout.max_model_len {m}" in str(e.value)
-    assert int(str(e.value).split(" is ")[1].split()[0]) > 40_000 * 5  # the whole question, counted
+    assert int(str(e.value).split(" is ")[1].split()[0]) > 1_000 * 5  # the whole question, counted
 
 
 def test_the_length_bound_is_the_rollouts_own(micro, tmp_path):
@@ -143,7 +144,7 @@ def test_train_cli_refuses_a_too_long_question_before_any_engine(micro, tmp_path
     starts (no vLLM, no model weights loaded), well within a minute."""
     path, _, _, _ = micro
     f = tmp_path / "train.jsonl"
-    f.write_text(question("q1") + question("huge", "Where was Tavi Morek born? " * 40_000))
+    f.write_text(question("q1") + question("huge", "Where was Tavi Morek born? " * 1_000))
     sets = [f"data.train={f}", f"train.run_dir={tmp_path / 'runs'}", "rollout.engine=hf", "train.steps=1"]
     # at 9eafa61 the run took this question into its reference forward: still in step 1 at 150 s
     out = run_script(["train.py", "--config", str(path), *[a for s in sets for a in ("--set", s)]], timeout=120)
