@@ -17,7 +17,6 @@ and saying to rebuild the index; numpy's own "mmap length is greater than file s
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Callable
@@ -26,27 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.config import DataError
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems (network mounts) cannot fsync a directory: nothing to flush there
-        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP)):
-            raise
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(directory: Path) -> None:
-    """Flush every file under `directory`, then the directory: before it is renamed into place, so
-    the rename never reaches the disk ahead of the files' contents."""
-    for name in sorted(os.listdir(directory)):
-        if (directory / name).is_file():
-            fsync_path(directory / name)
-    fsync_path(directory)
+from trainer.fsync import fsync_path
 
 
 def building_name(path: Path) -> Path:

@@ -61,9 +61,10 @@ from search.dense import (
 )
 from search.dense import default_encoder_path as default_encoder_path
 from search.dense import import_index as import_index
-from search.files import corrupt, fsync_path, fsync_tree, load_npy, read_json, save_npy, write_json
+from search.files import corrupt, load_npy, read_json, save_npy, write_json
 from search.integrity import CorpusGuard, scan_with_digest
 from trainer.config import ConfigError, DataError
+from trainer.fsync import fsync_path, fsync_tree
 
 METHODS = ("bm25", "dense", "hybrid")
 BM25_BACKENDS = ("scipy", "numpy", "numba")

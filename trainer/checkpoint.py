@@ -32,9 +32,7 @@ a checkpoint that would run code as it loads is refused. Other names under check
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import pickle
 import random
 import re
@@ -49,6 +47,7 @@ import yaml
 
 from trainer.config import Config, ConfigError, RunDirError, TrainingFault, config_to_dict
 from trainer.distributed import all_reduce, barrier, local_finite, save_full_state
+from trainer.fsync import fsync_path, fsync_tree
 from trainer.lora import merge_and_save
 from trainer.ppo import save_critic
 from trainer.rundir import make_unique_dir
@@ -160,10 +159,10 @@ def save_checkpoint(run: Path, step: int, model, tokenizer, optimizer, trainer_s
                 (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             if (run / "metrics.jsonl").exists():
                 shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
-            _fsync_tree(tmp)  # every process's files are written (barrier above): on the disk before the rename
+            fsync_tree(tmp)  # every process's files are written (barrier above): on the disk before the rename
             shutil.rmtree(ckpt, ignore_errors=True)
             tmp.rename(ckpt)  # a checkpoint directory exists only once it is complete
-            _fsync(ckpt.parent)  # and the rename itself survives a power cut
+            fsync_path(ckpt.parent)  # and the rename itself survives a power cut
     except Exception as e:
         _save_failed(e, ckpt, tmp)
         raise  # not a failed write: a bug, with its traceback
@@ -187,28 +186,6 @@ def _first_non_finite(models: dict[str, object], world: int) -> str | None:
     mine = next((i for i, (_, w) in enumerate(named) if not local_finite(w)), None)
     mark = int(all_reduce(torch.tensor([0 if mine is None else len(named) - mine]), world, "max")[0])
     return named[len(named) - mark][0] if mark else None
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file, or a directory's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems (network mounts) cannot fsync a directory: nothing to flush there
-        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP)):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(directory: Path) -> None:
-    """Flush every file under `directory`, then each directory (deepest first), so a checkpoint
-    renamed into place after this holds its data even after a power cut: without it the rename
-    can reach the disk before the files' contents, leaving a step_<k> of empty or short files."""
-    for root, _, files in os.walk(directory, topdown=False):
-        for name in files:
-            _fsync(Path(root) / name)
-        _fsync(Path(root))
 
 
 def _save_failed(e: Exception, ckpt: Path, tmp: Path) -> None:
