@@ -86,6 +86,7 @@ from rewards import BapoState, bapo_resample_groups, check_reward, score
 from rollout import check_chat_template, rollout_batch
 from search.client import RetrieverError
 from search.tools import check_retriever, make_search_fn
+from tiny.world import world_key
 from trainer.checkpoint import (
     check_writable,
     latest_checkpoint,
@@ -683,7 +684,7 @@ def main(argv: list[str] | None = None) -> None:
             if passed_over:
                 print(passed_over, flush=True)
             check_writable(run)  # a read-only run directory fails here too
-            check_resume_config(run, ckpt, cfg, args.set)  # vs the checkpoint's config: no change applied silently
+            check_resume_config(run, ckpt, cfg, args.set, world_key)  # vs the checkpoint's config: no silent change
         else:
             cfg = load_config(args.config, args.set)
             parse_constraints(cfg.train.constraints)

@@ -39,11 +39,11 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
-from tiny.world import world_key
 from trainer.config import Config, ConfigError, RunDirError, config_from_dict, config_to_dict
 
 LOCK = "run.lock"
@@ -151,9 +151,10 @@ def _show(value: object) -> str:
     return json.dumps(value, default=str)
 
 
-def _fixed(key: str, before: dict, after: object) -> str | None:
+def _fixed(key: str, before: dict, after: object, world_key: Callable[[Config], str]) -> str | None:
     """Why `key` cannot change on a resume (None: it may, when named). `before` is the checkpoint's
-    config dict, `after` the value this resume would give the key."""
+    config dict, `after` the value this resume would give the key; `world_key` names the tiny
+    world a config builds (tiny/world.py's, handed down by train.py: trainer/ imports nothing above it)."""
     if key in ARCHITECTURE:
         return "the model's architecture, the shape of the checkpoint's weights"
     if key == "model.path":
@@ -175,7 +176,8 @@ def _fixed(key: str, before: dict, after: object) -> str | None:
     return None
 
 
-def check_resume_config(run: Path, ckpt: Path, cfg: Config, overrides: list[str]) -> None:
+def check_resume_config(run: Path, ckpt: Path, cfg: Config, overrides: list[str],
+                        world_key: Callable[[Config], str]) -> None:  # fmt: skip
     """Compare the config a resume would run with (`cfg`: the run's config.yaml and `overrides`)
     with the one checkpoint `ckpt` was trained with; ConfigError (one line) for a key that cannot
     change, for a changed key --set does not name, and for train.steps not beyond the checkpoint's
@@ -204,7 +206,7 @@ def check_resume_config(run: Path, ckpt: Path, cfg: Config, overrides: list[str]
 
     causes: dict[str, list[str]] = {}
     for key in changed:
-        if (why := _fixed(key, before, changed[key][1])) is not None:
+        if (why := _fixed(key, before, changed[key][1], world_key)) is not None:
             causes.setdefault(why, []).append(key)
     if causes:
         raise ConfigError(f"cannot resume {run} from {ckpt.name} with " + "; ".join(
