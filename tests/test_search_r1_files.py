@@ -227,14 +227,15 @@ def test_what_the_repository_cites_is_in_the_repository_and_the_gpu_install_is_c
     assert not unpinned, unpinned
 
 
-def test_a_paper_configs_server_not_started_is_one_line_before_the_engine(micro):
+def test_a_paper_configs_server_not_started_is_one_line_before_the_engine(micro, tmp_path):
     """configs/search_r1_*.yaml search through the machine's server (retriever.url): launched before
     it is up, the run says so in one line instead of loading the engine and dying at step 1."""
     assert all(load_config(p).retriever.url for p in (ROOT / "configs").glob("search_r1_*.yaml"))
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     out = run_script(["train.py", "--config", str(micro[0]), "--set", f"retriever.url={url}",
-                      "--set", "retriever.timeout=1", "--set", "train.steps=1"])  # fmt: skip
+                      "--set", "retriever.timeout=1", "--set", "train.steps=1",
+                      "--set", f"train.run_dir={tmp_path}"])  # fmt: skip
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"retriever.url: retrieval server {url}/retrieve failed" in out.stderr and "retriever.py serve" in out.stderr
     assert "engine" not in out.stdout.lower() and time.monotonic() - t0 < 30
