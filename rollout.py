@@ -57,7 +57,7 @@ from pathlib import Path
 
 from agent import protocols
 from agent.answers import last_block, parse_response, split_segments
-from agent.protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text, search_r1_prompt
+from agent.protocols import SEARCH_R1_SYSTEM, Protocol, instructions, invalid_text
 from trainer.config import ConfigError, RolloutConfig
 from trainer.engine import Completion, Request
 
@@ -78,8 +78,8 @@ def render_prompt(question: str, template: str = "", cfg: RolloutConfig | None =
         return template.format(question=question.strip())
     cfg = cfg or RolloutConfig()
     proto = protocols.for_config(cfg)
-    if proto is protocols.SEARCH_R1_TEXT:
-        return search_r1_prompt(question)
+    if proto.prompt is not None:  # Search-R1's own (rollout.search_r1_text)
+        return proto.prompt(question)
     return instructions(proto, cfg) + f" Question: {question.strip()}\n"
 
 
@@ -306,7 +306,7 @@ def _append_observation(s: _State, act: dict, results: list, tokenizer, proto: P
     body = _observe(s, proto, act, results, tools, s.turns)
     if act.get("error") and proto.invalid_obs:  # Search-R1's invalid-action text: verbatim, no tags
         wrap = ("", "")
-    obs = observation_ids(tokenizer, body, cfg.max_obs_tokens, wrap, whole=proto is protocols.SEARCH_R1_TEXT)
+    obs = observation_ids(tokenizer, body, cfg.max_obs_tokens, wrap, whole=proto.whole_obs)
     start = len(s.response_ids)
     s.response_ids += obs
     s.loss_mask += [0] * len(obs)  # retrieved tokens are never the policy's
@@ -377,11 +377,11 @@ def _observe(s: _State, proto: Protocol, act: dict, results: list, tools: dict, 
 
 def _force_prefix(s: _State, segments: list[tuple[str, str]], tokenizer, cfg: RolloutConfig, proto: Protocol) -> None:
     for text, role in segments:
-        if role == "obs" and proto is protocols.SEARCH_R1_TEXT:  # Search-R1's information block
-            text = text.strip()
-            ids = observation_ids(tokenizer, text, cfg.max_obs_tokens, proto.obs, whole=True)
+        if role == "obs":  # a forced search's hits, shown and wrapped as the protocol shows a search's
+            text = proto.show({"query": ""}, text)[0]
+            ids = observation_ids(tokenizer, text, cfg.max_obs_tokens, proto.obs, whole=proto.whole_obs)
         else:
-            ids, _ = tokenize_segments(tokenizer, [(text, role)], cfg.max_obs_tokens)
+            ids = tokenizer.encode(text, add_special_tokens=False)
         start = len(s.response_ids)
         s.response_ids += ids
         s.loss_mask += [0] * len(ids)
@@ -418,8 +418,8 @@ def _record(s: _State, tokenizer, proto: Protocol | None = None) -> dict:
         "turns": s.turns,
         "num_searches": len(s.tool_calls),
     }
-    if proto is protocols.SEARCH_R1_TEXT:
-        record["invalid_actions"] = s.invalid  # turns with no <search> / <answer> block ({"turn", "error"})
+    if proto is not None and proto.invalid_obs:  # Search-R1's text: turns with no <search> / <answer> block
+        record["invalid_actions"] = s.invalid
     if proto is None or proto.name == "search_r1":
         return record  # Search-R1's record, exactly as before protocols existed
     if any("block" in c for c in s.chunks):  # chat tool messages: the transcript in the protocol's tags

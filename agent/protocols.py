@@ -18,6 +18,8 @@ plain record of
     hint     what a valid action looks like, for the invalid-action observation
     idk      the reliable-prompt sentence added with `rollout.allow_idk` (BAPO §3.2)
     invalid_obs  the invalid-action observation verbatim, outside the obs tags (empty: `hint`'s)
+    prompt   the whole plain prompt of a question (None: `system + " Question: <question>\\n"`)
+    whole_obs    an observation that fits is tokenised with its tags as one string (Search-R1 does)
 
     protocol      the policy writes                                   and gets back
     search_r1     <search> q </search>                                <information> Doc i(Title: t) text </information>
@@ -170,6 +172,8 @@ class Protocol:
     tool_message: bool = False
     tools: list[dict] = field(default_factory=list)
     invalid_obs: str = ""  # the invalid-action observation verbatim, outside the obs tags (Search-R1's text)
+    prompt: Callable[[str], str] | None = None  # the whole plain prompt of a question (None: system + question)
+    whole_obs: bool = False  # an observation that fits is tokenised with its tags as one string (Search-R1's)
 
 
 def invalid(why: str) -> dict:
@@ -333,7 +337,7 @@ PROTOCOLS = {
 # search_r1's). `system` is the prompt's instruction part; rollout.py renders the prompt with search_r1_prompt.
 SEARCH_R1_TEXT = Protocol(
     "search_r1", SEARCH_R1_PREFIX.split(" Question: {question}")[0], ["</search>", "</answer>"], parse_search_r1_text,
-    show_search_r1_text, SEARCH_R1_OBS, invalid_obs=SEARCH_R1_INVALID,
+    show_search_r1_text, SEARCH_R1_OBS, invalid_obs=SEARCH_R1_INVALID, prompt=search_r1_prompt, whole_obs=True,
 )  # fmt: skip
 
 
