@@ -222,7 +222,7 @@ def benchmarks(paths: list[Path], max_questions: int = 0) -> dict[str, list[dict
             if name in out:
                 raise DataError(f"{path} and {source[name]} both hold a benchmark named {name!r}: "
                                 "pass one of them, or rename a file or its folder")  # fmt: skip
-            out[name], source[name] = first_of_each_benchmark(qs, max_questions), path
+            out[name], source[name] = qs[:max_questions] if max_questions else qs, path
     return out
 
 
@@ -266,6 +266,7 @@ def check_prompt_lengths(questions: list[dict], tokenizer, cfg: RolloutConfig, p
     proto = protocols.get(cfg.protocol)
     limit = cfg.max_model_len - FIRST_TURN_ROOM
     most_bytes = limit * max_token_bytes(tokenizer) * NORMALIZED_SHRINK  # more cannot fit: refused untokenised
+    # a UTF-8 character is at most 4 bytes: a question of fewer characters than most_bytes / 4 is never encoded
     huge = [i for i, q in enumerate(questions) if len(q["question"]) > most_bytes // 4
             and len(q["question"].encode("utf-8")) > most_bytes]  # fmt: skip
     if huge:
