@@ -133,6 +133,7 @@ from trainer.faults import (
     wait_for_main,
 )
 from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, memory_savers, rft_select, rft_step
+from trainer.judging import check_judge, judge_counts, judge_row
 from trainer.lora import add_lora, load_lora, merged_weights
 from trainer.plan import print_plan
 from trainer.ppo import critic_optimizer, load_critic, ppo_update
@@ -474,46 +475,14 @@ def reward_stage(p: RunParts, records: list[dict]) -> dict:
         params |= {"stage": p.bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
     before = judge_counts(p.judge)
     score_shared(records, cfg.train.reward, params, p.judge, p.rank, p.world)
-    judged = judge_row(p, before)
-    check_judge(p, judged)
+    judged = judge_row(p.judge, before, p.world)
+    check_judge(p.judge, judged, cfg.train.judge_max_failure_rate, p.world)
     constraint_row = judged | constraints_step(p.constraints, records)  # U, then the terms, then the dual update
     if cfg.train.kl_in_reward and p.ref is not None and cfg.train.algo == "grpo":
         for r, kl in zip(records, kl_penalties(p.ref, records, cfg, p.tokenizer.pad_token_id, p.rank, p.world)):
             r["kl_penalty"] = kl
             r["reward"] -= cfg.train.kl_coef * kl
     return constraint_row
-
-
-def judge_counts(judge) -> tuple[int, int]:
-    """(failed verdicts, verdicts asked) so far by this process's judge; (0, 0) without one."""
-    return (getattr(judge, "failures", 0), getattr(judge, "asked", 0)) if judge is not None else (0, 0)
-
-
-def judge_row(p: RunParts, before: tuple[int, int]) -> dict:
-    """The run's judge since `before` (judge_counts), over the processes: judge/failures,
-    judge/verdicts (asked) and judge/failure_rate (failures / verdicts, 0 when none were asked);
-    {} without a judge. Every rank calls it (a collective)."""
-    if p.judge is None:
-        return {}
-    now = judge_counts(p.judge)
-    delta = torch.tensor([now[0] - before[0], now[1] - before[1]], dtype=torch.float64)
-    failed, asked = (int(x) for x in all_reduce(delta, p.world).tolist())
-    return {"judge/failures": failed, "judge/verdicts": asked, "judge/failure_rate": failed / asked if asked else 0.0}
-
-
-def check_judge(p: RunParts, row: dict) -> None:
-    """A TrainingFault when more than train.judge_max_failure_rate of the step's verdicts failed:
-    each scored 0 (on_failure "zero"), and a step of them would train on zeros as if the judge had
-    said no. Names the judge, the rate, the key and the last failure's cause. Every rank calls it."""
-    limit = p.cfg.train.judge_max_failure_rate
-    if row.get("judge/failure_rate", 0.0) <= limit:
-        return
-    mine = getattr(p.judge, "last_failure", "")
-    cause = next(iter(gather_lists([mine] if mine else [], p.world)), "not recorded")
-    where = getattr(p.judge, "url", "") or p.judge.model
-    raise TrainingFault(f"judge {where}: {row['judge/failures']} of {row['judge/verdicts']} verdicts failed "
-                        f"({row['judge/failure_rate']:.0%}), more than train.judge_max_failure_rate {limit:g}; "
-                        f"not training on their zeros. Last failure: {' '.join(cause.split())}")  # fmt: skip
 
 
 def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
@@ -577,7 +546,7 @@ def run_eval(p: RunParts) -> dict:
     ev |= {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
     ev |= broadcast(paper_metrics(val_records, p.measure_judge) if p.main else None, p.world)
     # logged, not stopped on: validation trains nothing, and the next step stops on a dead judge anyway
-    return ev | judge_row(p, before)
+    return ev | judge_row(p.judge, before, p.world)
 
 
 def after_eval(p: RunParts, ev: dict) -> None:
