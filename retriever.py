@@ -35,12 +35,12 @@ import argparse
 import json
 import time
 
+from search.corpus import format_hits
 from search.index import (
     BM25_BACKENDS,
     ENCODER_FAMILIES,
     METHODS,
     build_index,
-    format_hits,
     import_index,
     load_index,
     search,

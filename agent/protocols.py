@@ -88,7 +88,7 @@ SEARCH_R1_PREFIX = (
 )
 # search_r1/llm_agent/generation.py, execute_predictions: what a turn with no <search> / <answer> block
 # gets (the rollout goes on), and the observation of a search, f'\n\n<information>{search_results.strip()}
-# </information>\n\n' (search_results: _passages2string, search/index.py format_hits_search_r1)
+# </information>\n\n' (search_results: _passages2string, search/corpus.py format_hits_search_r1)
 SEARCH_R1_INVALID = (
     "\nMy previous action is invalid. "
     "If I want to search, I should put the query between <search> and </search>. "

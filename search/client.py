@@ -91,7 +91,7 @@ def search_r1_result(reply: bytes, n: int) -> list[list[dict]]:
     result = data.get("result") if isinstance(data, dict) else None
     if not isinstance(result, list) or len(result) != n:
         raise ValueError(f"no 'result' list of {n} hit lists")
-    for hits in result:  # the rollout renders each document's contents (index.format_hits)
+    for hits in result:  # the rollout renders each document's contents (corpus.format_hits)
         if not isinstance(hits, list) or not all(isinstance(h, dict) and isinstance(h.get("document"), dict)
                                                  and isinstance(h["document"].get("contents"), str)
                                                  for h in hits):  # fmt: skip

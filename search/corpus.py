@@ -165,3 +165,29 @@ def check_corpus(corpus: Corpus, meta: dict, index_dir: Path) -> None:
                 f"corpus {corpus.path} does not match index {index_dir}: row {row} holds id {got!r}, "
                 f"the index was built with {want!r}; rebuild the index"
             )
+
+
+def format_hits(hits: list[dict]) -> str:
+    """Our rendering of search hits for the policy: one `Doc i(Title: t) text` line per hit.
+
+    >>> format_hits([{"document": {"id": "p17", "contents": '"Tavi Morek"\\nTavi Morek was born in Velor.'}}])
+    'Doc 1(Title: Tavi Morek) Tavi Morek was born in Velor.'
+    """
+    lines = []
+    for i, hit in enumerate(hits, 1):
+        title, text = title_and_text(hit["document"])
+        lines.append(f"Doc {i}(Title: {title}) {text}")
+    return "\n".join(lines) if lines else "No results."
+
+
+def format_hits_search_r1(hits: list[dict]) -> str:
+    """Search-R1's own rendering (rollout.search_r1_text), as its _passages2string
+    (search_r1/llm_agent/generation.py, a14dc3a) gives it: the title is the first line of
+    `contents` as it is (wiki-18's keeps its quotes: `Doc 1(Title: "Paris") ...`), the text the rest,
+    each hit a line ending in "\\n"; no hits: "". The information block strips the whole
+    (agent/protocols.py, show_search_r1_text); tests/test_search_r1_text.py compares the two."""
+    lines = []
+    for i, hit in enumerate(hits, 1):
+        title, _, text = hit["document"]["contents"].partition("\n")
+        lines.append(f"Doc {i}(Title: {title}) {text}\n")
+    return "".join(lines)

@@ -8,7 +8,7 @@ In Python:
 
     index = load_index("idx/bm25")
     hits = search(index, ["Tavi Morek born", "Velor country"], k=3)   # one batched call
-    format_hits(hits[0])
+    format_hits(hits[0])   # corpus.py: what the policy reads
     # 'Doc 1(Title: Tavi Morek) Tavi Morek was born in the city of Velor.\\nDoc 2(Title: ...'
 
 Design choices, each against a pitfall in docs/design.md §7:
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from search.corpus import Corpus, check_corpus, get_passage, id_checks, iter_passages, title_and_text
+from search.corpus import Corpus, check_corpus, get_passage, id_checks, iter_passages
 from search.dense import ENCODER_FAMILIES as ENCODER_FAMILIES  # re-exported: retriever.py, the tests
 from search.dense import (
     Encoder,
@@ -478,27 +478,3 @@ def search(index: Index, queries: list[str], k: int = 3, method: str = "") -> li
         [{"document": get_passage(index.corpus, row), "score": score} for row, score in hits]
         for hits in search_rows(index, queries, k, method)
     ]
-
-
-def format_hits(hits: list[dict]) -> str:
-    """Search-R1's rendering: one `Doc i(Title: t) text` line per hit."""
-    lines = []
-    for i, hit in enumerate(hits, 1):
-        title, text = title_and_text(hit["document"])
-        lines.append(f"Doc {i}(Title: {title}) {text}")
-    return "\n".join(lines) if lines else "No results."
-
-
-def format_hits_search_r1(hits: list[dict]) -> str:
-    """Search-R1's own rendering, verbatim (rollout.search_r1_text): `_passages2string` of
-    search_r1/llm_agent/generation.py (PeterGriffinJin/Search-R1 a14dc3a, Apache-2.0): the title is the
-    first line of `contents` as it is (wiki-18's keeps its quotes: `Doc 1(Title: "Paris") ...`), the text
-    the other lines joined by "\\n", each hit a line ending in "\\n"; no hits: "". The information block
-    strips the whole (agent/protocols.py, show_search_r1_text)."""
-    format_reference = ""
-    for idx, doc_item in enumerate(hits):
-        content = doc_item["document"]["contents"]
-        title = content.split("\n")[0]
-        text = "\n".join(content.split("\n")[1:])
-        format_reference += f"Doc {idx + 1}(Title: {title}) {text}\n"
-    return format_reference

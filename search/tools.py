@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from search.client import RetrieverError, http_retrieve
-from search.index import Index, ensure_index, format_hits, format_hits_search_r1, load_index
+from search.corpus import format_hits, format_hits_search_r1
+from search.index import Index, ensure_index, load_index
 from search.web import operator_search, read, web_search
 from trainer.config import Config, ConfigError
 
@@ -78,7 +79,7 @@ def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
     hits, in process or over HTTP (search.tools.open_search). Deliberative and WebFilter protocols:
     {"search", "read"} over search/web.py (sources with url and date, operators, read by id), in
     process only. With rollout.search_r1_text the hits are rendered as Search-R1 renders them
-    (index.format_hits_search_r1: titles with their quotes, each line ending in a newline). Imports
+    (corpus.format_hits_search_r1: titles with their quotes, each line ending in a newline). Imports
     bm25s: call after vLLM has started."""
     if cfg.rollout.protocol in ("deliberative", "webfilter"):
         return make_web_tools(cfg, corpus_path, timings)

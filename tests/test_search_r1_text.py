@@ -23,7 +23,8 @@ import pytest
 from agent import protocols
 from agent.protocols import SEARCH_R1_INVALID, SEARCH_R1_PREFIX, SEARCH_R1_TEXT
 from rollout import SEARCH_R1_TEMPLATE, prompt_ids, render_prompt, rollout_batch
-from search.index import build_index, format_hits, format_hits_search_r1, load_index, search
+from search.corpus import format_hits, format_hits_search_r1
+from search.index import build_index, load_index, search
 from search.tools import make_search_fn
 from trainer.config import ConfigError, RolloutConfig, key_notes, load_config
 from trainer.engine import Completion

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from search.corpus import scan_corpus
-from search.index import build_index, format_hits, load_index, search
+from search.corpus import format_hits, scan_corpus
+from search.index import build_index, load_index, search
 from tiny.world import UNRELIABLE_DOMAINS, generate_world, teacher_segments, write_jsonl
 from trainer.config import WorldConfig
 

@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from agent.answers import exact_match, last_block
 from rollout import TAGS, render_prompt, tokenize_segments
-from search.index import format_hits
+from search.corpus import format_hits
 from search.tools import make_search_fn, open_search
 from tiny.teachers import PROTOCOL_TAGS, protocol_trajectories
 from tiny.world import (
