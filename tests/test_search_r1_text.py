@@ -26,6 +26,7 @@ from rollout import SEARCH_R1_TEMPLATE, prompt_ids, render_prompt, rollout_batch
 from search.corpus import format_hits, format_hits_search_r1
 from search.index import build_index, load_index, search
 from search.tools import make_search_fn
+from tiny.sft import qwen_style_bpe
 from trainer.config import ConfigError, RolloutConfig, key_notes, load_config
 from trainer.engine import Completion
 
@@ -157,21 +158,10 @@ def tok():
     (not whole tokens, unlike the tiny world's), <|im_start|> / <|im_end|> special, a chat template.
     Trained on Search-R1's text, it merges across the observation's seams (".<" of ".</information>"),
     so an observation tokenised in pieces would differ from Search-R1's, tokenised whole."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    bpe.decoder = decoders.ByteLevel()
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=special, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    bpe.train_from_iterator([PROMPT + TURN1 + information_block(HITS_TEXT) + TURN2 + INVALID_OBS] * 10, trainer)
+    bpe = qwen_style_bpe([PROMPT + TURN1 + information_block(HITS_TEXT) + TURN2 + INVALID_OBS] * 10, 500, special)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.add_special_tokens({"additional_special_tokens": special[1:]})
     tok.chat_template = QWEN_TEMPLATE

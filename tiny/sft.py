@@ -67,16 +67,11 @@ from trainer.precision import describe as describe_precision
 EOS = "<|endoftext|>"
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, extra_tags: list[str] = ()):
-    """Byte-level BPE trained on the world; tags are whole tokens. Saved as a HF tokenizer.
-
-    It splits text as Qwen2's tokenizer does (its regex: one token per digit, NFC), because that
-    is what `AutoTokenizer.from_pretrained` rebuilds next to our Qwen2 config, for the trainer, eval
-    and vLLM. With GPT-2's split, SFT had learnt " 1" as one token and every later observation
-    (" Doc 1(") came in as two (tests/test_world_retriever.py has the round trip).
-    """
+def qwen_style_bpe(texts: list[str], vocab_size: int, special: list[str]):
+    """A byte-level BPE (a `tokenizers.Tokenizer`) trained on `texts`, splitting text as Qwen2's
+    tokenizer does (its regex: one token per digit; NFC). tests/test_search_r1_text.py builds its
+    stand-in for Qwen2.5's tokenizer with it too."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tok = Tokenizer(models.BPE())
@@ -86,14 +81,24 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, extra_tags
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    return tok
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, extra_tags: list[str] = ()):
+    """Byte-level BPE trained on the world; tags are whole tokens. Saved as a HF tokenizer.
+
+    It splits text as Qwen2's tokenizer does (qwen_style_bpe), because that is what
+    `AutoTokenizer.from_pretrained` rebuilds next to our Qwen2 config, for the trainer, eval and
+    vLLM. With GPT-2's split, SFT had learnt " 1" as one token and every later observation
+    (" Doc 1(") came in as two (tests/test_world_retriever.py has the round trip).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=qwen_style_bpe(texts, vocab_size, [EOS]), eos_token=EOS,
+                                   pad_token=EOS)  # fmt: skip
     fast.add_tokens(TAGS + list(extra_tags))  # the protocol's own tags after Search-R1's (same ids as before)
     fast.save_pretrained(out_dir)
     return fast
