@@ -36,6 +36,7 @@ from pathlib import Path
 from agent.protocols import SEARCH_R1_PREFIX, search_r1_question
 from trainer.config import DataError
 from trainer.data import load_questions
+from trainer.fsync import write_file
 
 TRAIN = ("nq", "hotpotqa")  # Search-R1 §4: NQ + HotpotQA training sets (scripts/nq_hotpotqa/data_process.sh)
 TEST = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")  # its Table 2's seven
@@ -90,9 +91,7 @@ def write_parquet(rows: list[dict], path: Path) -> None:
               "writing metadata as JSON text", flush=True)  # fmt: skip
         table = pa.Table.from_pylist([r | {"metadata": json.dumps(r["metadata"])} for r in rows])
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    write_file(path, lambda tmp: pq.write_table(table, tmp))  # whole or not at all
 
 
 def prepare(flashrag: Path, out: Path, train: list[str], test: list[str]) -> dict[str, int]:

@@ -11,7 +11,7 @@ index.py builds, loads and searches index directories with them.
   * Embeddings stream to a float32 memmap in chunks, its blocks allocated first; a killed build
     resumes from the last finished chunk, and faiss `add`s the memmap chunk by chunk, so the
     embeddings are never held twice. faiss uses every core (`omp_set_num_threads`).
-  * faiss.index is written whole (files.write_file) and read back with one vector per passage
+  * faiss.index is written whole (trainer/fsync.write_file) and read back with one vector per passage
     before an index is marked complete; faiss files open mmap'd (IO_FLAG_MMAP_IFC, see load_index).
   * A bare faiss index (Search-R1's e5_Flat.index) is imported, not re-embedded: `import_index`
     checks it against the corpus and the encoder, and links it (never copies it).
@@ -32,9 +32,10 @@ import numpy as np
 from tqdm import tqdm
 
 from search.corpus import Corpus, id_checks, iter_passages
-from search.files import corrupt, load_npy, read_json, save_npy, write_file, write_json
+from search.files import corrupt, load_npy, read_json, save_npy, write_json
 from search.integrity import scan_with_digest
 from trainer.config import ConfigError, DataError
+from trainer.fsync import write_file
 
 # --------------------------------------------------------------------------------------------
 # The encoder.

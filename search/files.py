@@ -1,6 +1,6 @@
 """An index directory's files: each written whole or not at all, each read back checked.
 
-A write goes to a temporary name in the same directory, is flushed to the disk (fsync), renamed
+A write (trainer/fsync.write_file) goes to a temporary name in the same directory, is fsynced, renamed
 over its real name (os.replace) and the directory is fsynced, so a crash or a full disk leaves
 the old file or the new one, never a 0-byte or half-written one under the real name (issue
 "Nothing silent", case 4: a full disk left bm25's params.index.json at 0 bytes, a resumed build
@@ -18,33 +18,12 @@ and saying to rebuild the index; numpy's own "mmap length is greater than file s
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from trainer.config import DataError
-from trainer.fsync import fsync_path
-
-
-def building_name(path: Path) -> Path:
-    """The temporary name `path` is written under: same directory (os.replace is atomic only within
-    one filesystem), same suffix (np.save appends .npy to a name without it), hidden by a dot."""
-    return path.with_name(f".building-{path.name}")
-
-
-def write_file(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` writes the file's bytes at a temporary path; it then replaces `path` whole."""
-    tmp = building_name(path)
-    try:
-        write(tmp)
-        fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk gets its space back
-        raise
-    fsync_path(path.parent)  # the rename itself survives a power cut
+from trainer.fsync import write_file
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -1,7 +1,10 @@
-"""Flushing to the disk what must survive a power cut: a checkpoint (trainer/checkpoint.py) and
-an index (search/files.py) are fsynced, file by file, before they are renamed into place, and the
-directory after the rename.
+"""Writes that survive a crash, a full disk or a power cut: a file is written under a temporary
+name, fsynced, renamed over its real name and its directory fsynced (write_file: an index's files,
+a run's config.yaml, prepare_data.py's parquets); a checkpoint directory is fsynced file by file
+before it is renamed into place (fsync_tree). A reader sees the old file or the new one, never a
+0-byte or half-written one under the real name.
 
+    write_file(path, lambda tmp: tmp.write_text(text))
     fsync_tree(tmp_dir); os.replace(tmp_dir, final_dir); fsync_path(final_dir.parent)
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -32,3 +36,22 @@ def fsync_tree(directory: Path) -> None:
         for name in files:
             fsync_path(Path(root) / name)
         fsync_path(Path(root))
+
+
+def building_name(path: Path) -> Path:
+    """The temporary name `path` is written under: same directory (os.replace is atomic only within
+    one filesystem), same suffix (np.save appends .npy to a name without it), hidden by a dot."""
+    return path.with_name(f".building-{path.name}")
+
+
+def write_file(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` writes the file's bytes at a temporary path; it then replaces `path` whole."""
+    tmp = building_name(path)
+    try:
+        write(tmp)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk gets its space back
+        raise
+    fsync_path(path.parent)  # the rename itself survives a power cut

@@ -45,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from trainer.config import Config, ConfigError, RunDirError, config_from_dict, config_to_dict
+from trainer.fsync import write_file
 
 LOCK = "run.lock"
 CHANGES = "config_changes.jsonl"
@@ -266,8 +267,6 @@ def _record(run: Path, ckpt: Path, step: int, changed: dict, cfg: Config) -> Non
                     f.write(json.dumps(row | {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
         path, text = run / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False)  # as new_run_dir
         if yaml.safe_load(path.read_text()) != yaml.safe_load(text):
-            tmp = path.with_name("config.yaml.tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
+            write_file(path, lambda tmp: tmp.write_text(text))
     except OSError as e:
         raise RunDirError(f"cannot record the config change in {run}: {_cause(e)}") from None
