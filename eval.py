@@ -24,7 +24,7 @@ IDK rate, ECE, faithfulness, searches, ...). The output directory gets results.m
 per `metadata.type` (the tiny world: 1hop, 2hop) and per benchmark (a parquet's data_source), e.g.
   {"n": 400, "em": 0.61, "em_1hop": 0.93, "em_2hop": 0.29, "searches_2hop": 1.4, ...}
   {"n": 3000, "em": 0.41, "em/nq": 0.44, "em/hotpotqa": 0.38, "n/nq": 500, ...}      (test.parquet)
-Datasets are benchmarks (trainer/data.benchmarks): FlashRAG's `<dataset>/<split>.jsonl` is named
+Datasets are benchmarks (trainer/questions.benchmarks): FlashRAG's `<dataset>/<split>.jsonl` is named
 by its folder, a Search-R1 parquet gives one column group per data_source, any other file its stem.
 """
 
@@ -40,6 +40,7 @@ from pathlib import Path
 
 from agent.answers import parsed
 from agent.judge import make_judge
+from data import data_paths, starting_policy
 from report.metrics import compute_metrics, rejection_success_rate
 from report.plots import main as curves_main
 from report.viewer import main as viewer_main
@@ -48,9 +49,9 @@ from rewards import score, source_restricting
 from rollout import check_chat_template, render_prompt, rollout_batch
 from search.tools import check_retriever, make_search_fn
 from trainer.config import Config, ConfigError, DataError, load_config
-from trainer.data import benchmarks, data_paths, starting_policy
 from trainer.engine import load_policy, load_tokenizer, make_engine
 from trainer.precision import describe as describe_precision
+from trainer.questions import benchmarks
 
 MODES = ("direct", "cot", "rag", "agentic", "reliable")
 SEARCH_OFF = "Search is not available in this mode. Answer from what you know."

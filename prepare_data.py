@@ -23,7 +23,7 @@ Each test benchmark uses its test split, else dev, else train (the test script's
 2wikimultihopqa and musique have no test split, so their dev split is the "test" set). The merge
 scripts read the same files through the `datasets` library; this reads the jsonl directly, so it
 needs neither `datasets` nor the network. Each input is checked as training checks it
-(trainer.data.load_questions: a bad line names file:line).
+(trainer.questions.load_questions: a bad line names file:line).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from agent.protocols import SEARCH_R1_PREFIX, search_r1_question
 from trainer.config import DataError
-from trainer.data import load_questions
 from trainer.fsync import write_file
+from trainer.questions import load_questions
 
 TRAIN = ("nq", "hotpotqa")  # Search-R1 §4: NQ + HotpotQA training sets (scripts/nq_hotpotqa/data_process.sh)
 TEST = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")  # its Table 2's seven

@@ -80,6 +80,7 @@ from tqdm import tqdm
 
 from agent.answers import parsed
 from agent.judge import make_judge
+from data import check_prompt_lengths, data_paths, ensure_policy
 from eval import rollout_mode, summarize
 from report.metrics import batch_metrics, paper_metrics
 from rewards import BapoState, bapo_resample_groups, check_reward, score
@@ -103,7 +104,6 @@ from trainer.constraints import dual_update, parse_constraints, reward_params, s
 from trainer.constraints import restore as restore_constraints
 from trainer.constraints import state as constraint_state
 from trainer.constraints import step as constraints_step
-from trainer.data import check_prompt_lengths, data_paths, ensure_policy, first_of_each_benchmark, load_questions
 from trainer.distributed import (
     all_reduce,
     broadcast,
@@ -138,6 +138,7 @@ from trainer.lora import add_lora, load_lora, merged_weights
 from trainer.plan import print_plan
 from trainer.ppo import critic_optimizer, load_critic, ppo_update
 from trainer.precision import describe as describe_precision
+from trainer.questions import first_of_each_benchmark, load_questions
 from trainer.rundir import check_resume_config, own_run_dir
 from trainer.tracking import check_report_to, close_trackers, open_trackers, summary_table, track
 

@@ -27,11 +27,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions per engine")
     args = parser.parse_args()
     cfg = load_config(args.config)
+    from data import data_paths
     from rollout import rollout_batch
     from search.tools import make_search_fn
     from tiny.world import world_dir
-    from trainer.data import data_paths, load_questions
     from trainer.engine import load_tokenizer, make_engine
+    from trainer.questions import load_questions
 
     policy = Path(cfg.model.path) if cfg.model.path else world_dir(cfg) / "policy"
     engines = {"vllm": make_engine("vllm", policy, cfg.rollout), "hf": make_engine("hf", policy, cfg.rollout)}

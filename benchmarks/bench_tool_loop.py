@@ -31,12 +31,13 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data import data_paths, ensure_policy  # noqa: E402
 from rollout import rollout_batch  # noqa: E402
 from search.tools import make_search_fn
 from trainer import precision  # noqa: E402
 from trainer.config import config_to_dict, load_config  # noqa: E402
-from trainer.data import data_paths, ensure_policy, load_questions  # noqa: E402
 from trainer.engine import load_tokenizer, make_engine  # noqa: E402
+from trainer.questions import load_questions
 
 
 def pure_generation(engine, records: list[dict], seed: int, with_observations: bool = False) -> float:

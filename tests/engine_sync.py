@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data import ensure_policy  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer.batching import token_logprobs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.data import ensure_policy  # noqa: E402
 from trainer.engine import load_policy, make_engine  # noqa: E402
 
 SEQUENCE = [5, 17, 42, 99, 7, 250, 3, 77, 18, 64, 130, 9, 300, 11, 45, 2]

@@ -29,7 +29,7 @@ from trainer.checkpoint import (
     write_samples,
 )
 from trainer.config import DataError, RunDirError, load_config
-from trainer.data import load_questions
+from trainer.questions import load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"id": "q1", "question": "Where was Tavi Morek born?", "golden_answers": ["Sarn"]}

@@ -41,9 +41,10 @@ from conftest import run_script  # noqa: E402
 
 @pytest.fixture(scope="module")
 def micro_eval(micro):
+    from data import data_paths
     from search.tools import make_search_fn
-    from trainer.data import data_paths, load_questions
     from trainer.engine import load_tokenizer
+    from trainer.questions import load_questions
 
     _, cfg, policy, _ = micro
     return (
@@ -120,7 +121,7 @@ def test_search_r1_parquet_is_read_like_flashrag(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from trainer.data import load_questions
+    from trainer.questions import load_questions
 
     rows = [  # the columns of Search-R1's scripts/data_process/nq_search.py output
         {"id": "test_0", "question": "who wrote x?", "golden_answers": ["A B"], "data_source": "nq",

@@ -12,9 +12,10 @@ import pytest
 import yaml
 from conftest import run_script
 
+from data import ensure_policy, run_module
 from tiny.world import world_dir
 from trainer.config import DataError, config_to_dict, load_config
-from trainer.data import ensure_policy, load_questions, run_module
+from trainer.questions import load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ def question(qid, text="Where was Tavi Morek born?") -> str:
 def test_a_question_too_long_for_the_model_is_refused_with_its_line(micro, tmp_path):
     """A 1 MB question: refused in seconds, naming its line, the id and both lengths, before any
     engine (the fault probe's run forwarded its million tokens through the reference model)."""
-    from trainer.data import check_prompt_lengths
+    from data import check_prompt_lengths
     from trainer.engine import load_tokenizer
 
     _, cfg, policy, world = micro
@@ -50,8 +51,8 @@ def test_the_length_bound_is_the_rollouts_own(micro, tmp_path):
     """A prompt that leaves the rollout room to generate (rollout.py's next_turn: 8 tokens) passes;
     one token more is refused: exactly at the bound, through the same prompt_ids as the rollout."""
     from agent import protocols
+    from data import check_prompt_lengths
     from rollout import prompt_ids
-    from trainer.data import check_prompt_lengths
     from trainer.engine import load_tokenizer
 
     _, cfg, policy, _ = micro

@@ -14,7 +14,7 @@ import pytest
 
 from agent.answers import exact_match, golden_of
 from trainer.config import DataError
-from trainer.data import load_questions
+from trainer.questions import load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,8 @@ def test_a_50_mb_question_is_refused_in_seconds_and_little_memory(micro, tmp_pat
     script = textwrap.dedent(f"""
         import resource, sys, time
         from trainer.config import DataError, load_config
-        from trainer.data import check_prompt_lengths, load_questions
+        from data import check_prompt_lengths
+        from trainer.questions import load_questions
         from trainer.engine import load_tokenizer
         cfg = load_config({str(micro[0])!r})
         tokenizer = load_tokenizer({str(micro[2])!r})

@@ -42,7 +42,8 @@ def check_record(r, tokenizer, max_turns):
 @pytest.fixture(scope="module")
 def setup(micro):
     path, cfg, policy, world = micro
-    from trainer.data import data_paths, load_questions
+    from data import data_paths
+    from trainer.questions import load_questions
 
     tok = load_tokenizer(policy)
     calls = []

@@ -22,7 +22,7 @@ from eval import summarize
 from rewards import score
 from search.index import default_encoder_path
 from trainer.config import DataError, load_config
-from trainer.data import benchmark_name, benchmarks, load_questions
+from trainer.questions import benchmark_name, benchmarks, load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

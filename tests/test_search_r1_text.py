@@ -342,8 +342,9 @@ def test_the_action_is_postprocess_predictions(text):
 def test_real_engine_second_turn_reads_the_information_block(micro):
     """The hf engine on the micro policy: the first turn is a scripted search (the policy was trained
     on another prompt), the second the policy's own, generated after Search-R1's information block."""
-    from trainer.data import data_paths, load_questions
+    from data import data_paths
     from trainer.engine import load_tokenizer, make_engine
+    from trainer.questions import load_questions
 
     _, base, policy, _ = micro
     cfg = load_config(None, ["rollout.search_r1_text=true", "rollout.prompt_template=", "rollout.max_turns=1",

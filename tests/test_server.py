@@ -386,8 +386,8 @@ def test_rollouts_see_the_same_observations_over_http(vllm_engine, micro):
     """The rollout loop with retriever.url set: same greedy records as with the in-process index."""
     from rollout import rollout_batch
     from search.tools import make_search_fn
-    from trainer.data import load_questions
     from trainer.engine import load_tokenizer
+    from trainer.questions import load_questions
 
     _, cfg, policy, world = micro
     tokenizer = load_tokenizer(policy)

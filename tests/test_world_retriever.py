@@ -151,9 +151,9 @@ def test_a_model_of_yours_trains_on_the_tiny_world_with_no_data_paths(micro, tmp
     """With model.path set (another model, another prompt, another SFT) and data.* empty, the
     corpus and questions come from a cache keyed on the world alone: the same files as the tiny
     policy's world, written on first use."""
+    from data import data_paths
     from tiny.world import data_key, world_dir
     from trainer.config import load_config
-    from trainer.data import data_paths
 
     _, cfg, policy, world_path = micro
     overrides = [f"world.{k}={v}" for k, v in vars(cfg.world).items() if k != "cache_dir"] + [

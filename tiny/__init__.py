@@ -2,4 +2,4 @@
 encyclopedia and its questions), teachers.py (a scripted, imperfect teacher for each protocol),
 sft.py (tokenizer, tiny Qwen2 policy, SFT warm start; `python -m tiny.sft --config C` builds it),
 warm_start.py (your own model's warm start on the teacher), papers.py and report.py (the
-reproductions that reproduce.py runs). The trainer reaches it only through trainer/data.py."""
+reproductions that reproduce.py runs). The trainer reaches it only through the top-level data.py."""

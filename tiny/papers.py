@@ -45,8 +45,8 @@ from report.plots import read_series
 from tiny.report import ROOT, build_start, finish_report, last_checkpoint, mean_spread, train_runs
 from tiny.world import world_dir
 from trainer.config import ConfigError, load_config
-from trainer.data import benchmark_name
 from trainer.precision import machine
+from trainer.questions import benchmark_name
 
 BASELINE = "GRPO baseline (EM)"
 BOUNDARY_BASELINE = "GRPO baseline (EM), boundary world"

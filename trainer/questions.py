@@ -1,0 +1,227 @@
+"""Question files: FlashRAG jsonl and Search-R1's parquets, read and checked line by line.
+
+    questions = load_questions(Path("nq/test.jsonl"))   # [{"id", "question", "golden_answers", "metadata"}]
+    by_name = benchmarks([Path("nq/test.jsonl"), Path("hotpotqa/dev.jsonl")])   # {"nq": [...], "hotpotqa": [...]}
+    benchmark_name(Path("data/nq/test.jsonl"))          # 'nq': FlashRAG's <dataset>/<split>.jsonl
+    first_of_each_benchmark(questions, 100)             # validation's first 100 of each benchmark
+
+A bad line is a DataError naming path:line (a parquet's row) before any model loads. Search-R1's
+merged parquets repeat FlashRAG's per-split ids across sources, so a row with a `data_source` is
+identified within it (`nq/train_0`). Used by data.py (a run's inputs), eval.py, prepare_data.py
+and tiny/papers.py; imports nothing of the project but trainer/config.py.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import math
+from pathlib import Path
+
+from trainer.config import DataError, json_type
+
+
+def load_questions(path: Path) -> list[dict]:
+    """FlashRAG jsonl or Search-R1 parquet; a line that is not UTF-8 or not a JSON object, a
+    question that is not a non-empty string, `golden_answers` missing or not a list, metadata that
+    is not an object, an id missing or seen before within its benchmark is an error that names the
+    line (the row for parquet). Null metadata loads as {}.
+
+    Ids must be unique within a benchmark: they name the GRPO groups, and two questions under one
+    id would be scored as one group (advantages across unrelated questions). FlashRAG numbers ids
+    per split (`train_0`, `test_0`, ...), so Search-R1's merged parquets repeat them across
+    sources by construction; a row with a `data_source` is therefore identified within it, its id
+    written `<data_source>/<id>` ("nq/train_0", "hotpotqa/train_0")."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"question file not found: {path}")
+    if path.suffix == ".parquet":
+        numbered = list(enumerate(read_parquet_questions(path), 1))
+    else:
+        numbered = _read_jsonl_numbered(path)
+    first_line: dict[str, int] = {}  # id -> the line it was first seen on
+    numbers = 0  # golden answers written as JSON numbers, read as text
+    for n, q in numbered:
+        question = q.get("question")
+        if not isinstance(question, str):  # 42 or null would crash the rollout after the engine started
+            raise DataError(f"{path}:{n}: question must be a string, got {json_type(question)} (id {q.get('id')!r})")
+        if not question.strip():
+            raise DataError(f"{path}:{n}: empty question (id {q.get('id')!r})")
+        if not q.get("golden_answers"):
+            raise DataError(f"{path}:{n}: no golden_answers (id {q.get('id')!r})")
+        if not isinstance(q["golden_answers"], list):  # a bare string would be scored letter by letter
+            raise DataError(f"{path}:{n}: golden_answers must be a list, got {q['golden_answers']!r} "
+                            f"(id {q.get('id')!r})")  # fmt: skip
+        numbers += _golden_as_text(q, f"{path}:{n}")
+        if q.get("metadata") is None:  # FlashRAG rows without metadata, or a null one
+            q["metadata"] = {}
+        elif not isinstance(q["metadata"], dict):
+            raise DataError(f"{path}:{n}: metadata must be an object, got {json_type(q['metadata'])}")
+        if q.get("id") is None:
+            raise DataError(f"{path}:{n}: no id (the rollouts of a question are grouped by its id)")
+        qid = str(q["id"])  # as rollout.py's group ids see it: 7 and "7" are one id
+        if qid in first_line:
+            raise DataError(f"{path}:{n}: duplicate id {qid!r} (first at line {first_line[qid]})")
+        first_line[qid] = n
+    if not numbered:
+        raise DataError(f"{path}: no questions")
+    if numbers:
+        print(f"{path}: {numbers} golden answer(s) written as numbers, read as text (1990 -> \"1990\")", flush=True)
+    return [q for _, q in numbered]
+
+
+def _golden_as_text(q: dict, where: str) -> int:
+    """Each golden answer as a non-empty string, in place; returns how many were numbers. The scorers
+    compare text: a number would never match ("1990" vs 1990 scored EM 0 in 88e794b) and an empty
+    answer never can, so anything else (null, "", a list, an object, a boolean) names its line."""
+    converted = 0
+    for i, g in enumerate(q["golden_answers"]):
+        if isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g):
+            q["golden_answers"][i], converted = str(g), converted + 1
+        elif not isinstance(g, str) or not g.strip():
+            raise DataError(f"{where}: golden answer {i + 1} must be a non-empty string or a number, got "
+                            f"{json_type(g)} (id {q.get('id')!r})")  # fmt: skip
+    return converted
+
+
+SPLITS = ("train", "dev", "test", "val", "validation")  # FlashRAG's file names: <dataset>/<split>.jsonl
+
+
+def benchmark_name(path: Path) -> str:
+    """The benchmark a question file holds, for tables and logs: FlashRAG's layout names it by its
+    folder (`nq/test.jsonl` -> "nq", `hotpotqa/dev.jsonl` -> "hotpotqa"), any other file by its stem
+    (`data/nq_test.jsonl` -> "nq_test"). A parquet's rows name theirs (`data_source`, benchmarks())."""
+    path = Path(path)
+    return path.parent.name if path.stem in SPLITS and path.parent.name else path.stem
+
+
+def benchmarks(paths: list[Path], max_questions: int = 0) -> dict[str, list[dict]]:
+    """name -> questions, one entry per benchmark in the files: a FlashRAG file is one (named by
+    benchmark_name), a Search-R1 parquet one per `data_source` (its merged test.parquet: seven).
+    Two inputs that would share a name are a DataError in one line; `max_questions` (> 0) keeps the
+    first that many of each benchmark.
+
+    >>> benchmarks([Path("flashrag/nq/test.jsonl"), Path("flashrag/hotpotqa/dev.jsonl")])  # doctest: +SKIP
+    {"nq": [...], "hotpotqa": [...]}
+    """
+    out: dict[str, list[dict]] = {}
+    source: dict[str, Path] = {}
+    for path in paths:
+        groups: dict[str, list[dict]] = {}
+        for q in load_questions(path):
+            name = str(q["metadata"].get("dataset") or "") if path.suffix == ".parquet" else ""
+            groups.setdefault(name or benchmark_name(path), []).append(q)
+        for name, qs in groups.items():
+            if name in out:
+                raise DataError(f"{path} and {source[name]} both hold a benchmark named {name!r}: "
+                                "pass one of them, or rename a file or its folder")  # fmt: skip
+            out[name], source[name] = qs[:max_questions] if max_questions else qs, path
+    return out
+
+
+def first_of_each_benchmark(questions: list[dict], n: int) -> list[dict]:
+    """The first `n` questions of each benchmark (`metadata.dataset`; a file without one is one
+    benchmark), in file order; n 0 keeps all. Validation on Search-R1's test.parquet with
+    eval.max_questions 100 measures its seven benchmarks, not the first 100 rows (all NQ)."""
+    if not n:
+        return questions
+    seen: dict[str, int] = {}
+    kept = []
+    for q in questions:
+        name = str((q.get("metadata") or {}).get("dataset") or "")
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] <= n:
+            kept.append(q)
+    return kept
+
+
+
+def question_lines(path: Path) -> list[int]:
+    """The line (parquet: row) of each question load_questions(path) returns, in its order."""
+    if path.suffix == ".parquet":
+        return list(range(1, len(read_parquet_questions(path)) + 1))
+    return [n for n, _ in _jsonl_lines(path)]
+
+
+def _jsonl_lines(path: Path):
+    """(line number, text) per non-blank line, numbered as editors and `sed -n` count (on "\n"
+    alone); a line that is not UTF-8 is a DataError naming it and its column."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if n == 1 and raw.startswith(codecs.BOM_UTF8):  # a file saved "with BOM" (as the corpus reader allows)
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                column = len(raw[: e.start].decode("utf-8")) + 1
+                raise DataError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {column}: "
+                                f"{e.reason})") from None  # fmt: skip
+            if line.strip():
+                yield n, line
+
+
+def _read_jsonl_numbered(path: Path) -> list[tuple[int, dict]]:
+    """(line number in the file, object) per non-blank line; a bad line is a DataError naming it
+    (world.read_jsonl would raise json's own error, which names neither the file nor, with blank
+    lines skipped, the right line)."""
+    out = []
+    for n, line in _jsonl_lines(path):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{n}: not a JSON object (got {type(row).__name__})")
+        out.append((n, row))
+    return out
+
+
+def read_parquet_questions(path: Path) -> list[dict]:
+    """Search-R1's parquet (scripts/data_process/qa_search_{train,test}_merge.py) as FlashRAG-style dicts.
+
+    Its rows keep the FlashRAG columns (id, question, golden_answers, metadata) beside verl's own
+    (data_source, prompt, ability, reward_model.ground_truth.target, extra_info.{split,index}); the
+    plain question is preferred (`prompt` holds it wrapped in Search-R1's instruction). A row with a
+    data_source gets an id within it, `<data_source>/<id>` (load_questions says why):
+      {"id": "train_0", "question": "who wrote ...", "golden_answers": ["x"], "data_source": "nq", ...}
+    -> {"id": "nq/train_0", "question": "who wrote ...", "golden_answers": ["x"], "metadata": {"dataset": "nq"}}
+    Null columns (a merged file's metadata fields that one source lacks) read as missing.
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{path}: cannot read it as parquet ({str(e).splitlines()[0] if str(e) else e!r})") from None
+    out = []
+    for n, row in enumerate(rows):
+        truth = (row.get("reward_model") or {}).get("ground_truth") or {}
+        golden = row.get("golden_answers") or truth.get("target") or []
+        question = row.get("question")
+        if question is None:
+            question = _prompt_text(row.get("prompt"))
+        qid = row.get("id")
+        if qid is None:
+            qid = (row.get("extra_info") or {}).get("index", n)
+        source = row.get("data_source")
+        meta = row.get("metadata")
+        if isinstance(meta, str):  # prepare_data.py writes metadata whose fields clash in type as JSON text
+            try:
+                meta = json.loads(meta)
+            except json.JSONDecodeError:
+                raise DataError(f"{path}:{n + 1}: metadata is text but not JSON") from None
+        if source:
+            meta = (meta if isinstance(meta, dict) else {}) | {"dataset": source}
+            qid = f"{source}/{qid}"
+        golden = golden if isinstance(golden, str) else list(golden)  # list("Paris"): letters; refused later
+        out.append({"id": str(qid), "question": question, "golden_answers": golden, "metadata": meta})
+    return out
+
+
+def _prompt_text(prompt) -> str | None:
+    """The text of verl's `prompt` column: chat messages (its last message's content) or plain text."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list | tuple) and prompt and isinstance(prompt[-1], dict):
+        return prompt[-1].get("content")
+    return None
