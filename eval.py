@@ -51,6 +51,7 @@ from search.tools import check_retriever, make_search_fn
 from trainer.config import Config, ConfigError, DataError, load_config
 from trainer.engine import load_policy, load_tokenizer, make_engine
 from trainer.precision import describe as describe_precision
+from trainer.precision import resolve as resolve_precision
 from trainer.questions import benchmarks
 
 MODES = ("direct", "cot", "rag", "agentic", "reliable")
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(BAPO's rejection success rate, eq. 8)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = resolve_precision(load_config(args.config, args.set))
     except (ConfigError, FileNotFoundError) as e:
         parser.error(str(e))
     print(describe_precision(cfg), flush=True)

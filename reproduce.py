@@ -35,6 +35,7 @@ from tiny.report import build_start, finish_report, last_checkpoint, mean_spread
 from tiny.world import world_dir
 from trainer.config import ConfigError, load_config
 from trainer.precision import machine
+from trainer.precision import resolve as resolve_precision
 
 VARIANTS = {  # name -> extra overrides of the training config
     "GRPO with search": [],
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         return papers_main(argv)
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set)  # a bad config or override fails here, before any work
+        cfg = resolve_precision(load_config(args.config, args.set))  # a bad config or override fails here, before any work
     except ConfigError as e:
         parser.error(str(e))
     t_start = time.time()

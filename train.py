@@ -138,6 +138,7 @@ from trainer.lora import add_lora, load_lora, merged_weights
 from trainer.plan import print_plan
 from trainer.ppo import critic_optimizer, load_critic, ppo_update
 from trainer.precision import describe as describe_precision
+from trainer.precision import resolve as resolve_precision
 from trainer.questions import first_of_each_benchmark, load_questions
 from trainer.rundir import check_resume_config, own_run_dir
 from trainer.tracking import check_report_to, close_trackers, open_trackers, summary_table, track
@@ -625,7 +626,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.plan:
         try:
-            sys.exit(0 if print_plan(load_config(args.config, args.set, resolve_auto=False)) else 1)
+            sys.exit(0 if print_plan(load_config(args.config, args.set)) else 1)
         except (ConfigError, FileNotFoundError) as e:
             parser.error(str(e))
     run = None
@@ -643,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.resume:
             run = Path(args.resume)
-            cfg = load_config(run / "config.yaml", args.set)
+            cfg = resolve_precision(load_config(run / "config.yaml", args.set))
             check_reward(cfg.train.reward, cfg.train.reward_params, cfg.train.constraints)  # before any engine
             own_run_dir(run)  # one process per run directory: a second is refused, naming the pid that owns it
             # the newest checkpoint that reads back whole, checked before any model loads; a newer broken one
@@ -656,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
             check_writable(run)  # a read-only run directory fails here too
             check_resume_config(run, ckpt, cfg, args.set, world_key)  # vs the checkpoint's config: no silent change
         else:
-            cfg = load_config(args.config, args.set)
+            cfg = resolve_precision(load_config(args.config, args.set))  # before its config.yaml is written
             parse_constraints(cfg.train.constraints)
             check_reward(cfg.train.reward, cfg.train.reward_params, cfg.train.constraints)
             check_report_to(cfg)

@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 
 def main() -> None:
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions per engine")
     args = parser.parse_args()
     cfg = load_config(args.config)
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     from data import data_paths
     from rollout import rollout_batch
     from search.tools import make_search_fn

@@ -38,6 +38,7 @@ from train import train  # noqa: E402
 from trainer import precision  # noqa: E402
 from trainer.checkpoint import new_run_dir  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 
 def main() -> None:
@@ -55,6 +56,7 @@ def main() -> None:
     overrides = [f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=0", "sft.steps=0",
                  f"rollout.engine={engine}", "train.name=bench_gpu", "train.run_dir=runs"] + args.set  # fmt: skip
     cfg = load_config(args.config, overrides)
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     run = new_run_dir(cfg)
     print(f"machine: {precision.machine()} | engine: {engine} | {precision.describe(cfg)}", flush=True)
     t0 = time.time()

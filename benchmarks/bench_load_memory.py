@@ -40,6 +40,7 @@ from trainer import distributed  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.engine import load_policy  # noqa: E402
 from trainer.grpo import memory_savers  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 GB = 1e9
 
@@ -77,6 +78,7 @@ def child(path: str, model_dir: Path) -> None:
     torch.set_num_threads(1)
     cfg = load_config(None, ["train.fsdp=true", "train.kl_coef=0.001", "train.grad_checkpointing=true",
                              "model.dtype=bfloat16"])  # fmt: skip  # the paper configs' reference dtype
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     distributed.barrier(world)
     before, anon_before = current_rss(), rss_anon()
     reset_peak()

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
 
     run_dir = tempfile.mkdtemp(prefix="bench_update_")
     cfg = load_config(args.config, [*args.set, f"rollout.engine={args.engine}", f"train.run_dir={run_dir}"])
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     p = train.setup(cfg, new_run_dir(cfg), None)
     threads, cpus = torch.get_num_threads(), sorted(os.sched_getaffinity(0))
     real = torch.set_num_threads is torch._C.set_num_threads  # vLLM CPU in process swaps it for a no-op

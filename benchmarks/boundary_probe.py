@@ -80,9 +80,11 @@ def main() -> None:
     import torch
 
     from trainer.config import load_config
+    from trainer.precision import resolve as resolve_precision
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     for model_dir in args.model:
         if not (Path(model_dir) / "config.json").is_file():
             parser.error(f"model directory not found (no config.json): {model_dir}")

@@ -45,6 +45,7 @@ from conftest import free_port  # noqa: E402  (tests/conftest.py: a free TCP por
 
 from tiny.world import world_dir  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 PAPER_CONFIGS = [p.stem for p in sorted((ROOT / "configs").glob("search_r1_*.yaml"))] + [
     "deliberative_searcher", "bapo", "bapo_rft", "webfilter", "veritas"]  # fmt: skip
@@ -87,6 +88,7 @@ def chat_policy(world: Path, work: Path) -> Path:
 def size_overrides(name: str, world: Path, policy: Path) -> list[str]:
     """The sizes this rehearsal shrinks; every other key stays the config's."""
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     sets = [f"model.path={policy}", "model.dtype=float32",
             f"data.corpus={world / 'corpus.jsonl'}", f"data.train={world / 'train.jsonl'}",
             f"data.val={world / 'val.jsonl'}", f"data.test={world / 'test.jsonl'}",
@@ -117,6 +119,7 @@ def launch(args: list[str]) -> tuple[int, str, float]:
 def rehearse(name: str, world: Path, chat: Path, work: Path = WORK) -> dict:
     """Config `name`: 2 steps in 2 processes, then a resume for a third; runs go under work/runs."""
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     policy = chat if cfg.rollout.chat_template else world / "policy"
     sets = size_overrides(name, world, policy)
     flags = {k: getattr(cfg.train, k) for k in ("algo", "bf16", "cpu_offload", "grad_checkpointing", "optimizer",

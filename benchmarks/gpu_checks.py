@@ -36,6 +36,7 @@ from trainer.config import load_config  # noqa: E402
 from trainer.engine import load_policy  # noqa: E402
 from trainer.grpo import memory_savers  # noqa: E402
 from trainer.ppo import critic_optimizer, critic_step, critic_values, load_critic  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 BACKENDS = ["nccl", "cpu:gloo,cuda:nccl"]
 FLAGS = ["train.fsdp=true", "train.bf16=true", "train.cpu_offload=true", "train.grad_checkpointing=true",
@@ -85,6 +86,7 @@ def child(backend: str, port: int) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0) if gpu else None)  # fmt: skip
     cfg = load_config(None, FLAGS)
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = micro_model(Path(tmp) / "policy")
         for name, check in (("policy", policy_check), ("critic", critic_check)):

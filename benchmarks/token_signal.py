@@ -137,11 +137,13 @@ def main() -> None:
     import torch
 
     from trainer.config import load_config
+    from trainer.precision import resolve as resolve_precision
 
     torch.set_num_threads(args.threads)
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"model directory not found (no config.json): {args.model}")
     cfg = load_config(args.config, args.set)
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     print("step  P(event | unanswerable)  P(event | answerable)")
     run(cfg, Path(args.model), args.target, args.steps, args.lr, readout=args.readout)
 

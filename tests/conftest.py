@@ -59,6 +59,7 @@ def micro(tmp_path_factory):
     """(config path, config, policy dir, world dir) of a built micro world."""
     from tiny.world import world_dir
     from trainer.config import load_config
+    from trainer.precision import resolve as resolve_precision
 
     # pytest-xdist: the workers share one build (the first builds it, the others wait for the lock
     # and find it cached); without xdist, the session's own temporary directory
@@ -73,6 +74,7 @@ def micro(tmp_path_factory):
         path = write_micro_config(base / "micro.yaml", cache)
         subprocess.run([sys.executable, "-m", "tiny.sft", "--config", str(path)], check=True, cwd=ROOT)
     cfg = load_config(path)
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     return path, cfg, world_dir(cfg) / "policy", world_dir(cfg)
 
 

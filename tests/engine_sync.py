@@ -27,6 +27,7 @@ from trainer import distributed  # noqa: E402
 from trainer.batching import token_logprobs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.engine import load_policy, make_engine  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 SEQUENCE = [5, 17, 42, 99, 7, 250, 3, 77, 18, 64, 130, 9, 300, 11, 45, 2]
 
@@ -36,6 +37,7 @@ def main() -> None:
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     rank, world, _ = distributed.init()
     cfg = load_config(config, ["train.fsdp=true", f"rollout.tensor_parallel_size={tp}"])
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     policy = ensure_policy(cfg, out)
     engine = make_engine("vllm", policy, cfg.rollout, "float32", seed=0, launcher=True)
     torch.set_num_threads(1)

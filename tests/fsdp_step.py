@@ -33,6 +33,7 @@ from trainer.config import load_config  # noqa: E402
 from trainer.engine import load_policy  # noqa: E402
 from trainer.grpo import grpo_step, memory_savers  # noqa: E402
 from trainer.ppo import critic_optimizer, critic_step, critic_values, load_critic  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 
 def save_grads(model, path: Path, rank: int) -> None:
@@ -67,6 +68,7 @@ def count_no_grad_tokens(model, ref) -> dict:
 
 def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int, first: bool) -> dict:
     cfg = load_config(None, case["overrides"])
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     sharded = cfg.train.fsdp and world > 1
     needs_ref = distributed.needs_reference(cfg)
     if sharded:  # as train.py: built on the meta device, sharded, filled from rank 0's read
@@ -104,6 +106,7 @@ def run_critic_case(case: dict, spec: dict, records: list[dict], rank: int, worl
     """PPO's critic sharded under the case's flags (bf16, cpu_offload): the values of the batch,
     then one clipped value-loss step toward targets 1 above them (any targets: the step must run)."""
     cfg = load_config(None, case["overrides"])
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     critic = load_critic(spec["model"])
     if world > 1:
         critic = distributed.shard_critic(critic, cfg)

@@ -23,6 +23,7 @@ from numerics import assert_close, logprob_atol  # noqa: E402
 from trainer.batching import token_logprobs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.engine import load_policy, load_tokenizer, make_engine  # noqa: E402
+from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 
 def check_weight_sync(engine, policy: str | Path) -> None:
@@ -54,6 +55,7 @@ def check_weight_sync(engine, policy: str | Path) -> None:
 
 if __name__ == "__main__":
     cfg = load_config(sys.argv[1])
+    resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
     file_engine = make_engine("vllm", sys.argv[2], cfg.rollout, separate_process=True)
     try:
         check_weight_sync(file_engine, sys.argv[2])

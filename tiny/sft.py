@@ -63,6 +63,7 @@ from tiny.world import (
 from trainer.batching import pad_batch, token_budget_batches, token_logprobs
 from trainer.config import Config, ConfigError, ModelConfig, SFTConfig, load_config
 from trainer.precision import describe as describe_precision
+from trainer.precision import resolve as resolve_precision
 
 EOS = "<|endoftext|>"
 
@@ -325,7 +326,7 @@ def main() -> None:
     parser.add_argument("--config", help="YAML config (default: built-in defaults)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args()
-    cfg = load_config(args.config, args.set)
+    cfg = resolve_precision(load_config(args.config, args.set))
     print(describe_precision(cfg), flush=True)
     print(ensure_tiny_policy(cfg))
 

@@ -42,6 +42,7 @@ from tiny.world import FORMAT_VERSION, data_key, ensure_world_data, read_jsonl, 
 from trainer.config import Config, ConfigError, load_config
 from trainer.engine import load_policy, load_tokenizer
 from trainer.precision import describe as describe_precision
+from trainer.precision import resolve as resolve_precision
 
 # Settings that change the warm start's weights besides the model and the world (the key).
 SFT_KEYS = ("steps", "batch_tokens", "lr", "warmup_steps", "decay_frac", "weight_decay", "train_on_observations",
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--config", help="YAML config with model.path and sft.warm_start: true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args()
-    cfg = load_config(args.config, args.set)
+    cfg = resolve_precision(load_config(args.config, args.set))
     if not cfg.model.path:
         raise SystemExit("tiny/warm_start.py needs model.path (the tiny policy's own warm start is python -m tiny.sft)")
     print(describe_precision(cfg), flush=True)

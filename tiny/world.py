@@ -31,6 +31,7 @@ Build the world, tokenizer and SFT warm start (cached under cache/): `python -m 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import random
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import Config, WorldConfig
+from trainer.precision import resolve as resolve_precision
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
@@ -315,7 +317,9 @@ def teacher_segments(
 
 
 def world_key(cfg: Config) -> str:
-    """Cache key: everything that changes the built world, tokenizer or SFT policy."""
+    """Cache key: everything that changes the built world, tokenizer or SFT policy. The precision
+    keys count as this machine resolves them (a config read from YAML still says `auto`)."""
+    cfg = resolve_precision(copy.deepcopy(cfg))
     parts = {
         # options added later are left out while unset, so older worlds keep their keys
         "world": {k: v for k, v in vars(cfg.world).items() if k not in LATER_OPTIONS or v} | {"cache_dir": None},

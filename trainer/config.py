@@ -16,10 +16,12 @@ must not exit having trained nothing).
     ...
     trainer.config.ConfigError: unknown config key 'train.lr_rate' (known keys in train: seed, steps, ...)
 
-Run `python -m trainer.config configs/tiny.yaml` to print the resolved config, and
-`python -m trainer.config --keys train` for every key of a section with what it means.
+Run `python -m trainer.config configs/tiny.yaml` to print the config, and
+`python -m trainer.config --keys train` for every key of a section with what it means. The
+precision keys print as `auto`: reading a config needs no torch, so the scripts resolve them for
+their machine (trainer/precision.py; `python -m trainer.precision` says what this one picks).
 
-One file on purpose (about 630 lines): every key beside its default, its allowed values
+One file on purpose (about 710 lines): every key beside its default, its allowed values
 (CHOICES) and its range (RANGES) is the reference a user reads; split, it would be three lists
 to keep in step. Its command line (the last ~50 lines) prints that reference: `--keys` reads the
 comments beside the fields, so it cannot drift from them.
@@ -38,8 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-
-from trainer import precision
 
 
 class ConfigError(ValueError):
@@ -637,10 +637,11 @@ def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:
         _set(cfg, str(key), value)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, resolve_auto: bool = True) -> Config:
-    """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML scalars). The
-    `auto` precision keys become this machine's choice (precision.resolve) unless resolve_auto is
-    False (the memory plan resolves them for the GPUs it plans)."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML scalars), checked.
+    The precision keys stay `auto` here: the scripts that compute resolve them for this machine
+    (precision.resolve, beside the line they print), the memory plan for the GPUs it plans. So
+    reading a config needs no torch (`import rewards`, the search server)."""
     cfg = Config()
     # the precision keys of a loaded config default to auto; a bare Config() stays fp32
     cfg.model.dtype, cfg.sft.bf16, cfg.train.bf16 = "auto", "auto", "auto"
@@ -653,8 +654,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, res
         _set(cfg, key.strip(), _parse_yaml(raw, f"override {item!r}", in_file=False) if raw.strip() else "")
     _check_choices(cfg)
     _check_ranges(cfg)
-    if resolve_auto:
-        precision.resolve(cfg)
     return cfg
 
 

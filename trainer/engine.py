@@ -485,6 +485,9 @@ def make_engine(kind: str, model_dir: str | Path, cfg: RolloutConfig, dtype: str
     """separate_process: vLLM's engine core in a spawned process, weights through a file (the
     fallback for several training processes); launcher: vLLM's `external_launcher` executor,
     the engine in this training process beside the others' (the default for several)."""
+    if dtype == "auto":  # vLLM would take it as the checkpoint's own dtype, silently
+        raise ConfigError("model.dtype is still 'auto' at the engine: resolve the config's precision first "
+                          "(trainer/precision.resolve)")  # fmt: skip
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no model at {model_dir} (expected {Path(model_dir) / 'config.json'})")
     if kind == "vllm":

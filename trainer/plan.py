@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        return 0 if print_plan(load_config(args.config, args.set, resolve_auto=False)) else 1
+        return 0 if print_plan(load_config(args.config, args.set)) else 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ and later). Elsewhere PyTorch emulates it: on an AMD EPYC with AVX2 only, a bf16
 0.9 GFLOP/s against 146 GFLOP/s in fp32, and the tiny world's SFT took 28 s a step instead of
 about 1 s. So `auto` means bf16 where it is native and fp32 otherwise:
 
-    >>> cfg = load_config("configs/tiny.yaml")      # resolves auto (config.load_config)
+    >>> cfg = resolve(load_config("configs/tiny.yaml"))   # config.load_config leaves auto as it is
     >>> describe(cfg)                                  # the one line train.py / eval.py print
     'precision: fp32 (CPU AMD EPYC: no AMX / AVX512-BF16); sft.bf16=false train.bf16=false model.dtype=float32'
 
@@ -17,7 +17,8 @@ What `auto` resolves to, per key:
                          GPU with native bf16, float32 on a CPU (vLLM's CPU backend keeps its
                          weights in this dtype; at the tiny world's 3M parameters the engine is
                          bound by per-token overhead, not matmuls, so fp32 costs nothing there)
-A config loaded by config.load_config starts these three keys at auto; a bare Config() is fp32.
+A config loaded by config.load_config starts these three keys at auto and keeps them so (reading a
+config needs no torch); the scripts resolve them where they print this line. A bare Config() is fp32.
 An explicit true / false / dtype always wins. TRAINER_NATIVE_BF16=0 or 1 in the environment
 overrides the detection (the test suite sets 0, so it runs the same code on every CPU).
 `python -m trainer.precision` prints what this machine does and times a bf16 and an fp32 matmul.
@@ -81,8 +82,8 @@ def machine() -> str:
     return f"{name} ({'native bf16' if native_bf16()[0] else 'fp32: no native bf16'})"
 
 
-def resolve(cfg, native: bool | None = None, gpu: bool | None = None) -> None:
-    """Replace every `auto` of cfg (a config.Config) by this machine's choice, in place.
+def resolve(cfg, native: bool | None = None, gpu: bool | None = None):
+    """Replace every `auto` of cfg (a config.Config) by this machine's choice, in place; returns cfg.
     native / gpu force the answers: the memory plan resolves for the GPU box it plans
     (native=True, gpu=True), not for the machine it runs on."""
     native = native_bf16()[0] if native is None else native
@@ -93,6 +94,7 @@ def resolve(cfg, native: bool | None = None, gpu: bool | None = None) -> None:
         cfg.train.bf16 = native
     if cfg.model.dtype == "auto":
         cfg.model.dtype = "bfloat16" if native and gpu else "float32"
+    return cfg
 
 
 def describe(cfg) -> str:
