@@ -6,7 +6,7 @@ import pytest
 import torch
 from numerics import EPS32, FP32_FORMULA, assert_close, ops_rtol
 
-from trainer.distributed import accumulating
+from trainer.batching import accumulating
 from trainer.grpo import group_advantages, grpo_token_loss, k3_kl
 
 

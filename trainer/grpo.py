@@ -30,24 +30,17 @@ import torch
 
 from agent.answers import parsed
 from trainer.batching import (
-    log_normalizers,
+    accumulating,
+    autocast,
+    balanced_micro_batches,
+    batch_logprobs,
+    logprobs_and_entropy,
     pad_batch,
     pad_rows,
     policy_positions,
-    row_entropy,
-    selected_logprobs,
-    token_logprobs,
 )
 from trainer.config import Config, TrainingFault
-from trainer.distributed import (
-    accumulating,
-    all_reduce,
-    balanced_micro_batches,
-    clip_grad_norm,
-    compute_device,
-    local_finite,
-    shared_per_position,
-)
+from trainer.distributed import all_reduce, clip_grad_norm, compute_device, local_finite
 
 
 def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6, std: str = "group") -> list[float]:
@@ -173,41 +166,11 @@ def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[d
     return out
 
 
-def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int, bf16: bool = False, rank: int = 0,
-                   world: int = 1, exact: bool = False) -> list:  # fmt: skip
-    """log pi(token t | tokens < t) of every position of every sequence, no gradient: the
-    reference model's logprobs, or pi_old recomputed by the trainer before the first update.
-    With several processes each forwards its share and all get every row (shared_per_position)."""
-    device = compute_device(model)
-
-    def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        with _autocast(bf16):
-            return token_logprobs(model, ids.to(device), attn.to(device))
-
-    return shared_per_position(logprobs, [s["ids"] for s in seqs], micro_batch_tokens, pad_id, rank, world, exact)
-
-
 def _first_scored(seq: dict) -> int:
     """The first position whose logprob the update uses (a loss or a sampled token); before it,
     the prompt's positions."""
     scored = torch.nonzero(seq["loss_mask"] + seq["sampled"])
     return int(scored[0]) if len(scored) else len(seq["loss_mask"])
-
-
-def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool) -> tuple:
-    """(log pi of each target, entropy of each position), float32, from [B, T, V] logits. The
-    entropy's gradient (entropy_coef > 0) needs the whole log-softmax in the graph; without it
-    the entropy is a statistic and no float32 copy of the micro-batch's logits is made
-    (batching.selected_logprobs, row_entropy)."""
-    if entropy_grad:
-        logp_all = torch.log_softmax(logits.float(), -1)
-        return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-    lse = log_normalizers(logits)  # one logsumexp pass, shared by both
-    return selected_logprobs(logits, targets, lse), row_entropy(logits, lse)
-
-
-def _autocast(bf16: bool):
-    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=bf16)
 
 
 def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad_id: int,
@@ -294,9 +257,9 @@ def _policy_update(model, seqs, mini, old, ref, is_weight, optimizer, cfg, pad_i
         # logits only from the first scored position on (prompts take none: HF's logits_to_keep),
         # and the full-vocabulary float32 log-softmax only where the entropy's gradient needs it
         first = min(min(_first_scored(seqs[i]) for i in idx), width - 2)
-        with _autocast(tcfg.bf16):
+        with autocast(tcfg.bf16):
             logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=width - first).logits[:, :-1]
-        logp, entropy = _logprobs_and_entropy(logits, ids[:, first + 1 :], tcfg.entropy_coef > 0)
+        logp, entropy = logprobs_and_entropy(logits, ids[:, first + 1 :], tcfg.entropy_coef > 0)
         del logits
         logp, entropy = torch.nn.functional.pad(logp, (first, 0)), torch.nn.functional.pad(entropy, (first, 0))
         sampled = pad_rows([seqs[i]["sampled"] for i in idx], width - 1).to(device)
