@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from agent.answers import parsed
 from trainer.batching import (
     accumulating,
     autocast,
@@ -440,21 +439,21 @@ def kl_penalties(ref_model, records: list[dict], cfg: Config, pad_id: int, rank:
     return [float(k.sum()) for k in kl_per_position(ref_model, records, cfg, pad_id, rank, world)]
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Reliable RFT (BAPO's baseline): fine-tuning on the accepted rollouts through the same step.
 
 
-def rft_select(records: list[dict], accept: float) -> list[dict]:
+def rft_select(records: list[dict], accept: float, idk: list[bool]) -> list[dict]:
     """Reliable RFT (BAPO's baseline): keep the rollouts the reward accepts (reward >= accept);
-    for a question with none, keep one that says "I don't know" if there is one."""
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(str(r["group_id"]), []).append(r)
+    for a question with none, keep the first whose `idk` flag (one per record: the answer says
+    "I don't know", agent.answers.parsed(r).idk, which train.py reads) is set, if one is."""
+    groups: dict[str, list[tuple[dict, bool]]] = {}
+    for r, said_idk in zip(records, idk, strict=True):
+        groups.setdefault(str(r["group_id"]), []).append((r, said_idk))
     kept = []
     for rs in groups.values():
-        good = [r for r in rs if r["reward"] >= accept]
-        kept += good or [r for r in rs if parsed(r).idk][:1]
+        good = [r for r, _ in rs if r["reward"] >= accept]
+        kept += good or [r for r, said_idk in rs if said_idk][:1]
     return kept
 
 
