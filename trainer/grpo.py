@@ -465,4 +465,3 @@ def rft_step(model, records: list[dict], optimizer, cfg: Config, pad_id: int, st
     sft_cfg = copy.deepcopy(cfg)
     sft_cfg.train.recompute_old_logprobs, sft_cfg.train.kl_coef, sft_cfg.train.is_correction = True, 0.0, 0.0
     return grpo_step(model, None, records, optimizer, sft_cfg, pad_id, step)
-
