@@ -492,7 +492,7 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
     ppo_update) or RFT (accepted rollouts, rft_step). Returns its statistics."""
     cfg, pad_id = p.cfg, p.tokenizer.pad_token_id
     if cfg.train.algo == "rft":
-        kept = rft_select(records, cfg.train.rft_accept)
+        kept = rft_select(records, cfg.train.rft_accept, [parsed(r).idk for r in records])
         stats = rft_step(p.model, kept, p.optimizer, cfg, pad_id, step) if kept else {}
         return stats | {"rft_kept": len(kept) / len(records)}
     if cfg.train.algo == "ppo":

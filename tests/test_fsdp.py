@@ -242,7 +242,7 @@ def test_fsdp_step_matches_single_process(runs, case):
 def test_exact_grad_sum_makes_the_step_independent_of_the_number_of_processes(runs):
     """train.exact_grad_sum: the same step as kl_two_minibatches gives the 1-process gradients
     and weights bit for bit under 2 processes; without it the reduction order shows in the last
-    bits. What makes it exact (trainer/distributed.py): the mini-batch is cut into the same
+    bits. What makes it exact (trainer/batching.py): the mini-batch is cut into the same
     micro-batches whatever the number of processes (balanced_micro_batches), so each micro-batch's
     gradient is the same fp32 computation on the same rows (one thread per process, as the world-1
     run); `accumulating` sums them in float64 (FSDP reduce-scatters in float64) and rounds to
@@ -304,7 +304,7 @@ def test_full_weights_equal_single_process_state_dict(runs):
 
 def test_each_process_forwards_about_half_of_the_no_grad_tokens(runs):
     """The reference's and pi_old's logprobs: each of 2 processes forwards its share of the batch
-    (distributed.no_grad_runs), not all of it (issue 33: at most ~55% of the 1-process tokens).
+    (batching.no_grad_runs), not all of it (issue 33: at most ~55% of the 1-process tokens).
     kl_two_minibatches computes both; exact deals whole micro-batches of the 1-process cut."""
     single, fsdp, _ = runs
     for case in ("kl_two_minibatches", "exact"):

@@ -6,7 +6,8 @@ import pytest
 import torch
 from numerics import EPS32, FP32_FORMULA, assert_close, ops_rtol
 
-from trainer.distributed import accumulating
+from agent.answers import parsed
+from trainer.batching import accumulating
 from trainer.grpo import group_advantages, grpo_token_loss, k3_kl
 
 
@@ -277,7 +278,7 @@ def test_rft_keeps_accepted_rollouts_and_one_idk_when_none_is_correct():
     records = [rec("a", 1.0, "Paris"), rec("a", 0.0, "Rome"), rec("a", 1.0, "Paris"),
                rec("b", 0.0, "Rome"), rec("b", 0.0, "I don't know"), rec("b", 0.0, "I don't know"),
                rec("c", 0.0, "Rome")]  # fmt: skip
-    kept = rft_select(records, accept=1.0)
+    kept = rft_select(records, accept=1.0, idk=[parsed(r).idk for r in records])
     assert [(r["group_id"], r["reward"]) for r in kept] == [("a", 1.0), ("a", 1.0), ("b", 0.0)]
     assert "don't know" in kept[2]["response"]
 

@@ -1,20 +1,35 @@
-"""Batches of token sequences for the trainer and SFT: padding, token-budget micro-batches,
-per-position log-probs and the policy-token mask.
+"""Batches of token sequences, for the trainer's updates and the tiny world's SFT, in three parts:
+
+  padding and cutting   pad_batch, pad_rows, the policy-token mask (policy_positions), and
+                        token-budget micro-batches (token_budget_batches, min_padding_cuts)
+  log-probs of logits   float32 log pi of the targets and the entropy, without a float32 copy
+                        of the vocabulary (selected_logprobs, logprobs_and_entropy)
+  passes over a batch   which process forwards which micro-batch (balanced_micro_batches with
+                        gradients, no_grad_runs without), the gradient accumulation over them
+                        (accumulating), and the no-gradient passes whose rows every process
+                        gets (per_position, shared_per_position, batch_logprobs)
+
+One process or several: the collectives these call (all_reduce, gather_lists) are
+trainer/distributed.py's, which imports nothing of this file.
 
     ids, attn, loss_mask = pad_batch([[5, 6, 7], [8, 9]], [[0, 1, 1], [1, 1]], pad_id=0)
     # ids [[5, 6, 7], [8, 9, 0]], attn [[1, 1, 1], [1, 1, 0]], loss_mask [[0, 1, 1], [1, 1, 0]]
     batches = token_budget_batches(lengths, budget=8192, rng=random.Random(0))  # index lists
     logps = per_position(lambda ids, attn: token_logprobs(model, ids, attn), seqs, 8192, pad_id)
 
-Used by grpo.py, trainer/ppo.py, trainer/distributed.py and the tiny world's SFT (tiny/sft.py).
+Used by trainer/grpo.py (the GRPO step), trainer/ppo.py (the critic) and tiny/sft.py.
 """
 
 from __future__ import annotations
 
 import random
+import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from trainer.distributed import all_reduce, compute_device, gather_lists
 
 
 def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
@@ -28,6 +43,22 @@ def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
         attn[i, : len(s)] = 1
         loss[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
     return ids, attn, loss
+
+
+def pad_rows(rows: list, width: int) -> torch.Tensor:
+    """Per-position rows (lists or tensors) right-padded with 0 into one float32 [B, width]."""
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
+    return out
+
+
+def policy_positions(record: dict, mask_retrieved: bool = True) -> list[int]:
+    """Per-position mask of a rollout record (length len(prompt + response) - 1; position t-1
+    predicts token t): 1 where the predicted token is a policy token. mask_retrieved=False
+    (Search-R1's ablation) counts every response token, retrieved ones too."""
+    response = record["loss_mask"] if mask_retrieved else [1] * len(record["response_ids"])
+    return ([0] * len(record["prompt_ids"]) + list(response))[1:]
 
 
 def token_budget_batches(
@@ -101,6 +132,10 @@ def min_padding_cuts(sorted_lengths: list[int], budget: int, max_padding: float 
     return cuts[::-1]
 
 
+# ---------------------------------------------------------------------------------------------
+# Log-probs from logits: float32 where it counts, without a float32 copy of the vocabulary.
+
+
 def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """log p(ids[:, t] | ids[:, :t]) for t >= 1, shape (B, T-1). Position t-1 predicts token t."""
     return selected_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
@@ -158,20 +193,26 @@ def row_entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def pad_rows(rows: list, width: int) -> torch.Tensor:
-    """Per-position rows (lists or tensors) right-padded with 0 into one float32 [B, width]."""
-    out = torch.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
-    return out
+def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool) -> tuple:
+    """(log pi of each target, entropy of each position), float32, from [B, T, V] logits. The
+    entropy's gradient (entropy_coef > 0) needs the whole log-softmax in the graph; without it
+    the entropy is a statistic and no float32 copy of the micro-batch's logits is made
+    (selected_logprobs, row_entropy)."""
+    if entropy_grad:
+        logp_all = torch.log_softmax(logits.float(), -1)
+        return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+    lse = log_normalizers(logits)  # one logsumexp pass, shared by both
+    return selected_logprobs(logits, targets, lse), row_entropy(logits, lse)
 
 
-def policy_positions(record: dict, mask_retrieved: bool = True) -> list[int]:
-    """Per-position mask of a rollout record (length len(prompt + response) - 1; position t-1
-    predicts token t): 1 where the predicted token is a policy token. mask_retrieved=False
-    (Search-R1's ablation) counts every response token, retrieved ones too."""
-    response = record["loss_mask"] if mask_retrieved else [1] * len(record["response_ids"])
-    return ([0] * len(record["prompt_ids"]) + list(response))[1:]
+def autocast(bf16: bool):
+    """bf16 compute (train.bf16) on the device the forward runs on; off: the weights' dtype."""
+    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=bf16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Passes over a batch, in one process or several: which process forwards which micro-batch, the
+# gradient accumulation over them, and the no-gradient passes whose rows every process gets.
 
 
 def forward_rows(fn, seqs: list[list[int]], batches: list[tuple[list[int], bool]], pad_id: int) -> dict:
@@ -195,3 +236,130 @@ def per_position(fn, seqs: list[list[int]], micro_batch_tokens: int, pad_id: int
     batches = token_budget_batches([len(s) for s in seqs], micro_batch_tokens, random.Random(0))
     rows = forward_rows(fn, seqs, [(b, True) for b in batches], pad_id)
     return [rows[i] for i in range(len(seqs))]
+
+
+@torch.no_grad()
+def shared_per_position(fn, seqs: list[list[int]], budget: int, pad_id: int, rank: int = 0, world: int = 1,
+                        exact: bool = False) -> list[torch.Tensor]:  # fmt: skip
+    """per_position (fn(ids, attn) -> [B, T-1], one float32 row per sequence) with the
+    work shared: each process forwards its micro-batches of `no_grad_runs`, then every process
+    gets every row (gather_lists). One process: per_position itself."""
+    if world == 1:
+        return per_position(fn, seqs, budget, pad_id)
+    mine = forward_rows(fn, seqs, no_grad_runs([len(s) for s in seqs], budget, rank, world, exact), pad_id)
+    rows = dict(gather_lists(list(mine.items()), world))
+    return [rows[i] for i in range(len(seqs))]
+
+
+def batch_logprobs(model, seqs: list[dict], micro_batch_tokens: int, pad_id: int, bf16: bool = False, rank: int = 0,
+                   world: int = 1, exact: bool = False) -> list:  # fmt: skip
+    """log pi(token t | tokens < t) of every position of every sequence, no gradient: the
+    reference model's logprobs, or pi_old recomputed by the trainer before the first update.
+    With several processes each forwards its share and all get every row (shared_per_position)."""
+    device = compute_device(model)
+
+    def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        with autocast(bf16):
+            return token_logprobs(model, ids.to(device), attn.to(device))
+
+    return shared_per_position(logprobs, [s["ids"] for s in seqs], micro_batch_tokens, pad_id, rank, world, exact)
+
+
+def no_grad_runs(lengths: list[int], budget: int, rank: int, world: int,
+                 exact: bool = False) -> list[tuple[list[int], bool]]:  # fmt: skip
+    """Process `rank`'s micro-batches of a pass without gradients over every sequence (the
+    reference's and pi_old's logprobs, the critic's values): (indices, real). Each sequence is
+    forwarded by one process, then the rows are shared (`shared_per_position`), so 2 processes
+    each forward about half of the tokens, not all of them.
+
+    Default: sequences dealt longest first, each to the process with the fewest tokens so far,
+    then cut into token-budget micro-batches. exact (train.exact_grad_sum): the micro-batches of
+    the 1-process cut of the whole batch, dealt the same way: each row is then computed in the
+    very batch a 1-process run computes it in, so it is the same to the bit. Processes
+    with fewer micro-batches repeat the shortest sequence (real False) until all have run as many
+    forwards as the busiest (FSDP's all-gathers must line up).
+
+    >>> no_grad_runs([50, 10, 40, 12], 64, 0, 2)   # 60 tokens (a padded pair of 50 and 10 is over 64)
+    [([1], True), ([0], True)]
+    >>> no_grad_runs([50, 10, 40, 12], 64, 1, 2)   # 52 tokens
+    [([3], True), ([2], True)]
+    """
+    # every process deals every share (no message needed) and keeps its own
+    if exact:  # whole micro-batches of the 1-process cut
+        cut = token_budget_batches(lengths, budget, random.Random(0))
+        micro = [[cut[j] for j in share] for share in _deal([sum(lengths[i] for i in b) for b in cut], world)]
+    else:  # sequences, each process's share then cut
+        micro = [[[share[j] for j in b] for b in token_budget_batches([lengths[i] for i in share], budget,
+                                                                       random.Random(0))]
+                 for share in map(sorted, _deal(lengths, world))]  # fmt: skip
+    mine, n_micro = micro[rank], max(len(m) for m in micro)
+    filler = [min(range(len(lengths)), key=lengths.__getitem__)]  # the cheapest repeat
+    return [(idx, True) for idx in mine] + [(filler, False)] * (n_micro - len(mine))
+
+
+def _deal(weights: list[int], world: int) -> list[list[int]]:
+    """Indices of `weights` dealt to `world` processes, heaviest first, each to the one with the
+    least weight so far. _deal([50, 10, 40, 12], 2) == [[0, 1], [2, 3]]."""
+    load, shares = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        k = min(range(world), key=load.__getitem__)
+        load[k] += weights[i]
+        shares[k].append(i)
+    return shares
+
+
+def balanced_micro_batches(items: list[int], lengths: list[int], budget: int, rank: int, world: int,
+                           exact: bool = False) -> list[tuple[list[int], float]]:  # fmt: skip
+    """Process `rank`'s micro-batches of the mini-batch `items` (their `lengths`), weight 1.0,
+    then zero-weight repeats until every process runs as many forward/backward passes (FSDP's
+    collectives must line up).
+
+    Default: the process's share items[rank::world], cut into token-budget micro-batches.
+    exact (train.exact_grad_sum): the whole mini-batch is cut, the same cut whatever the number of
+    processes, and process `rank` takes every world-th micro-batch. Each micro-batch's gradient is
+    then the one a 1-process run computes; only the summing differs (see `accumulating`). Keep
+    micro_batch_tokens small enough for several micro-batches per process, or some only repeat.
+
+    >>> balanced_micro_batches([0, 2, 5, 7], [30, 29, 60, 61], 64, 0, 1)   # one process: no repeats
+    [([2, 0], 1.0), ([5], 1.0), ([7], 1.0)]
+    >>> balanced_micro_batches([0, 2, 5, 7], [30, 29, 60, 61], 64, 1, 2, exact=True)   # rank 1 of 2
+    [([5], 1.0), ([5], 0.0)]
+    """
+
+    def cut(idx: list[int], lens: list[int]) -> list[list[int]]:
+        return [[idx[j] for j in b] for b in token_budget_batches(lens, budget, random.Random(0))]
+
+    if exact:
+        micro = cut(items, lengths)
+        mine, n_micro = micro[rank::world], -(-len(micro) // world)  # the busiest process runs n_micro
+        if len(micro) < world:
+            warnings.warn(f"train.exact_grad_sum: {len(micro)} micro-batch(es) for {world} processes, so some "
+                          "only repeat; lower train.micro_batch_tokens to share the work", stacklevel=2)  # fmt: skip
+    else:
+        mine = cut(items[rank::world], lengths[rank::world])
+        n_micro = int(all_reduce(torch.tensor(float(len(mine))), world, "max"))
+    return [(idx, 1.0) for idx in mine] + [(mine[0] if mine else items[:1], 0.0)] * (n_micro - len(mine))
+
+
+def accumulating(model, runs: list, exact: bool, world: int) -> Iterator:
+    """Yield each micro-batch of `runs`; the caller runs its forward and backward in the loop body.
+    Without `exact`, the gradients add up as torch does (fp32, and FSDP reduces each backward).
+
+    With `exact` (train.exact_grad_sum), the update's gradient is the float64 sum of the
+    micro-batch gradients, rounded to float32 once, so it does not depend on which process ran
+    which micro-batch: a 2-process run steps to the weights of a 1-process run. One process keeps
+    float64 sums here; under FSDP the gradients stay unsharded in float64 until the last
+    micro-batch, then one float64 reduce-scatter sums them (distributed._fsdp_kwargs: reduce_dtype
+    float64). The price is a float64 copy of the unsharded gradients on every process during the step."""
+    sums: dict = {}
+    for k, run in enumerate(runs):
+        if exact and world > 1:
+            model.set_requires_gradient_sync(k == len(runs) - 1)
+        yield run
+        if exact and world == 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    sums[p] = p.grad.double() if p not in sums else sums[p].add_(p.grad)
+                    p.grad = None
+    for p, total in sums.items():
+        p.grad = total.float()

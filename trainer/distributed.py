@@ -1,5 +1,9 @@
-"""Several processes, one model: FSDP2 sharding, the process group, full weights for vLLM,
-balanced micro-batches, and the optimizer (8-bit AdamW steps each process's shard).
+"""Several processes, one model: FSDP2 sharding, the process group and its collectives, full
+weights for vLLM and checkpoints, and what FSDP's sharded parameters change in the optimizer
+step (8-bit AdamW steps each process's shard; the gradient norm over every shard).
+
+Which process runs which micro-batch, the gradient accumulation and the no-gradient logprob
+pass are trainer/batching.py's; it calls the collectives here (this file imports nothing of it).
 
 The same code runs CPU processes talking over gloo and GPUs talking over NCCL. Each process
 holds 1/world of every parameter, gradient and Adam moment; a layer's full weights exist only
@@ -34,9 +38,7 @@ import contextlib
 import datetime
 import math
 import os
-import random
 import socket
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 from trainer import faults
-from trainer.batching import forward_rows, per_position, token_budget_batches
 from trainer.config import Config, RunDirError
 
 # Name parts that wrappers add to parameter names (FSDP1, activation checkpointing, torch.compile,
@@ -179,7 +180,7 @@ def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     # bf16 compute, fp32 gradient reduction and fp32 master weights (the optimizer steps fp32);
-    # exact_grad_sum: the gradients accumulate and reduce in float64 (see `accumulating`)
+    # exact_grad_sum: the gradients accumulate and reduce in float64 (batching.accumulating)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.train.bf16 else None,
                               reduce_dtype=torch.float64 if cfg.train.exact_grad_sum else torch.float32)  # fmt: skip
     # Pinned host memory makes the copies to the GPU asynchronous; it needs a GPU, and without
@@ -247,119 +248,6 @@ def all_reduce(x: torch.Tensor, world: int, op: str = "sum") -> torch.Tensor:
     y = x.clone()  # on the CPU: gloo carries it, under init's "cpu:gloo,cuda:nccl" as well
     faults.collective(dist.all_reduce, y, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return y.cpu()
-
-
-def balanced_micro_batches(items: list[int], lengths: list[int], budget: int, rank: int, world: int,
-                           exact: bool = False) -> list[tuple[list[int], float]]:  # fmt: skip
-    """Process `rank`'s micro-batches of the mini-batch `items` (their `lengths`), weight 1.0,
-    then zero-weight repeats until every process runs as many forward/backward passes (FSDP's
-    collectives must line up).
-
-    Default: the process's share items[rank::world], cut into token-budget micro-batches.
-    exact (train.exact_grad_sum): the whole mini-batch is cut, the same cut whatever the number of
-    processes, and process `rank` takes every world-th micro-batch. Each micro-batch's gradient is
-    then the one a 1-process run computes; only the summing differs (see `accumulating`). Keep
-    micro_batch_tokens small enough for several micro-batches per process, or some only repeat.
-
-    >>> balanced_micro_batches([0, 2, 5, 7], [30, 29, 60, 61], 64, 0, 1)   # one process: no repeats
-    [([2, 0], 1.0), ([5], 1.0), ([7], 1.0)]
-    >>> balanced_micro_batches([0, 2, 5, 7], [30, 29, 60, 61], 64, 1, 2, exact=True)   # rank 1 of 2
-    [([5], 1.0), ([5], 0.0)]
-    """
-
-    def cut(idx: list[int], lens: list[int]) -> list[list[int]]:
-        return [[idx[j] for j in b] for b in token_budget_batches(lens, budget, random.Random(0))]
-
-    if exact:
-        micro = cut(items, lengths)
-        mine, n_micro = micro[rank::world], -(-len(micro) // world)  # the busiest process runs n_micro
-        if len(micro) < world:
-            warnings.warn(f"train.exact_grad_sum: {len(micro)} micro-batch(es) for {world} processes, so some "
-                          "only repeat; lower train.micro_batch_tokens to share the work", stacklevel=2)  # fmt: skip
-    else:
-        mine = cut(items[rank::world], lengths[rank::world])
-        n_micro = int(all_reduce(torch.tensor(float(len(mine))), world, "max"))
-    return [(idx, 1.0) for idx in mine] + [(mine[0] if mine else items[:1], 0.0)] * (n_micro - len(mine))
-
-
-def _deal(weights: list[int], world: int) -> list[list[int]]:
-    """Indices of `weights` dealt to `world` processes, heaviest first, each to the one with the
-    least weight so far. _deal([50, 10, 40, 12], 2) == [[0, 1], [2, 3]]."""
-    load, shares = [0] * world, [[] for _ in range(world)]
-    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
-        k = min(range(world), key=load.__getitem__)
-        load[k] += weights[i]
-        shares[k].append(i)
-    return shares
-
-
-def no_grad_runs(lengths: list[int], budget: int, rank: int, world: int,
-                 exact: bool = False) -> list[tuple[list[int], bool]]:  # fmt: skip
-    """Process `rank`'s micro-batches of a pass without gradients over every sequence (the
-    reference's and pi_old's logprobs, the critic's values): (indices, real). Each sequence is
-    forwarded by one process, then the rows are shared (`shared_per_position`), so 2 processes
-    each forward about half of the tokens, not all of them.
-
-    Default: sequences dealt longest first, each to the process with the fewest tokens so far,
-    then cut into token-budget micro-batches. exact (train.exact_grad_sum): the micro-batches of
-    the 1-process cut of the whole batch, dealt the same way: each row is then computed in the
-    very batch a 1-process run computes it in, so it is the same to the bit. Processes
-    with fewer micro-batches repeat the shortest sequence (real False) until all have run as many
-    forwards as the busiest (FSDP's all-gathers must line up).
-
-    >>> no_grad_runs([50, 10, 40, 12], 64, 0, 2)   # 60 tokens (a padded pair of 50 and 10 is over 64)
-    [([1], True), ([0], True)]
-    >>> no_grad_runs([50, 10, 40, 12], 64, 1, 2)   # 52 tokens
-    [([3], True), ([2], True)]
-    """
-    # every process deals every share (no message needed) and keeps its own
-    if exact:  # whole micro-batches of the 1-process cut
-        cut = token_budget_batches(lengths, budget, random.Random(0))
-        micro = [[cut[j] for j in share] for share in _deal([sum(lengths[i] for i in b) for b in cut], world)]
-    else:  # sequences, each process's share then cut
-        micro = [[[share[j] for j in b] for b in token_budget_batches([lengths[i] for i in share], budget,
-                                                                       random.Random(0))]
-                 for share in map(sorted, _deal(lengths, world))]  # fmt: skip
-    mine, n_micro = micro[rank], max(len(m) for m in micro)
-    filler = [min(range(len(lengths)), key=lengths.__getitem__)]  # the cheapest repeat
-    return [(idx, True) for idx in mine] + [(filler, False)] * (n_micro - len(mine))
-
-
-@torch.no_grad()
-def shared_per_position(fn, seqs: list[list[int]], budget: int, pad_id: int, rank: int = 0, world: int = 1,
-                        exact: bool = False) -> list[torch.Tensor]:  # fmt: skip
-    """batching.per_position (fn(ids, attn) -> [B, T-1], one float32 row per sequence) with the
-    work shared: each process forwards its micro-batches of `no_grad_runs`, then every process
-    gets every row (gather_lists). One process: per_position itself."""
-    if world == 1:
-        return per_position(fn, seqs, budget, pad_id)
-    mine = forward_rows(fn, seqs, no_grad_runs([len(s) for s in seqs], budget, rank, world, exact), pad_id)
-    rows = dict(gather_lists(list(mine.items()), world))
-    return [rows[i] for i in range(len(seqs))]
-
-
-def accumulating(model, runs: list, exact: bool, world: int) -> Iterator:
-    """Yield each micro-batch of `runs`; the caller runs its forward and backward in the loop body.
-    Without `exact`, the gradients add up as torch does (fp32, and FSDP reduces each backward).
-
-    With `exact` (train.exact_grad_sum), the update's gradient is the float64 sum of the
-    micro-batch gradients, rounded to float32 once, so it does not depend on which process ran
-    which micro-batch: a 2-process run steps to the weights of a 1-process run. One process keeps
-    float64 sums here; under FSDP the gradients stay unsharded in float64 until the last
-    micro-batch, then one float64 reduce-scatter sums them (`_fsdp_kwargs`: reduce_dtype float64).
-    The price is a float64 copy of the unsharded gradients on every process during the step."""
-    sums: dict = {}
-    for k, run in enumerate(runs):
-        if exact and world > 1:
-            model.set_requires_gradient_sync(k == len(runs) - 1)
-        yield run
-        if exact and world == 1:
-            for p in model.parameters():
-                if p.grad is not None:
-                    sums[p] = p.grad.double() if p not in sums else sums[p].add_(p.grad)
-                    p.grad = None
-    for p, total in sums.items():
-        p.grad = total.float()
 
 
 def make_optimizer(params, lr: float, weight_decay: float, kind: str = "adamw"):

@@ -48,17 +48,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.batching import pad_batch, pad_rows, policy_positions
-from trainer.config import Config
-from trainer.distributed import (
+from trainer.batching import (
     accumulating,
-    all_reduce,
     balanced_micro_batches,
-    clip_grad_norm,
-    compute_device,
-    full_weights,
+    pad_batch,
+    pad_rows,
+    policy_positions,
     shared_per_position,
 )
+from trainer.config import Config
+from trainer.distributed import all_reduce, clip_grad_norm, compute_device, full_weights
 from trainer.engine import model_dir
 from trainer.grpo import ensure_finite, grpo_step, kl_per_position
 
