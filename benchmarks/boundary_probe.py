@@ -1,6 +1,6 @@
 """Does a policy know where its knowledge ends? Two teacher-forced probes per question category.
 
-    python benchmarks/boundary_probe.py --config configs/tiny_papers_boundary.yaml \
+    python benchmarks/boundary_probe.py --config configs/reproduction/tiny_papers_boundary.yaml \
         --model cache/tiny-7078567a2759/policy --model runs/papers-main/tiny-bapo-seed0-*/checkpoints/step_20
 
 For the first --n validation questions of the config's world, the teacher's trajectory (it

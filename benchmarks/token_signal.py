@@ -1,6 +1,6 @@
 """How fast can GRPO teach one token to depend on the boundary? An isolated-signal experiment.
 
-    python benchmarks/token_signal.py --config configs/tiny_papers_boundary.yaml \
+    python benchmarks/token_signal.py --config configs/reproduction/tiny_papers_boundary.yaml \
         --model cache/tiny-7078567a2759/policy --target conf --steps 60
 
 On teacher-forced contexts of the config's world (benchmarks/boundary_probe.py's), only ONE

@@ -11,7 +11,7 @@ from numerics import logprob_atol, model_vocab
 RUNS = {
     "ppo": {"algo": "ppo", "kl_in_reward": True, "kl_estimator": "k1", "critic_lr": 1e-3},
     "rft": {"algo": "rft", "rft_accept": 1.0},
-    # word F1, as configs/tiny_bapo.yaml: the resampling must judge "correct" in the reward's unit
+    # word F1, as configs/reproduction/tiny_bapo.yaml: the resampling must judge "correct" in the reward's unit
     "bapo": {
         "reward": "bapo",
         "reward_params": {"f1_unit": "word"},
