@@ -1,6 +1,6 @@
 """Does a policy know where its knowledge ends? Two teacher-forced probes per question category.
 
-    python benchmarks/boundary_probe.py --config configs/reproduction/tiny_papers_boundary.yaml \
+    python benchmarks/probes/boundary_probe.py --config configs/reproduction/tiny_papers_boundary.yaml \
         --model cache/tiny-7078567a2759/policy --model runs/papers-main/tiny-bapo-seed0-*/checkpoints/step_20
 
 For the first --n validation questions of the config's world, the teacher's trajectory (it
@@ -21,7 +21,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def teacher_text(cfg, question: dict, tool, rng: random.Random) -> str:

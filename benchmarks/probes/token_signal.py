@@ -1,9 +1,9 @@
 """How fast can GRPO teach one token to depend on the boundary? An isolated-signal experiment.
 
-    python benchmarks/token_signal.py --config configs/reproduction/tiny_papers_boundary.yaml \
+    python benchmarks/probes/token_signal.py --config configs/reproduction/tiny_papers_boundary.yaml \
         --model cache/tiny-7078567a2759/policy --target conf --steps 60
 
-On teacher-forced contexts of the config's world (benchmarks/boundary_probe.py's), only ONE
+On teacher-forced contexts of the config's world (benchmarks/probes/boundary_probe.py's), only ONE
 token is trained, with the GRPO advantage of a perfect reward for it, nothing else:
   conf        the confidence digit right before the answer ("...</think><confidence>"):
               reward 1 for c < 5 on unanswerable questions, c >= 5 on answerable ones
@@ -32,7 +32,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 GROUP, QUESTIONS, RESPONSE_TOKENS = 8, 16, 45  # train.py's group_size / questions_per_step; a typical response
 

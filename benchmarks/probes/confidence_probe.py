@@ -2,8 +2,8 @@
 
     python eval.py --config C --model start=POLICY --datasets W/val.jsonl W/test.jsonl \
         --set eval.max_questions=2000 --judge-url rule --out E      # greedy rollouts, both splits
-    python benchmarks/confidence_probe.py linear POLICY E/rollouts/start__val.jsonl E/rollouts/start__test.jsonl
-    python benchmarks/confidence_probe.py certain LABEL=POLICY=ROLLOUTS.jsonl [LABEL=POLICY=ROLLOUTS.jsonl ...]
+    python benchmarks/probes/confidence_probe.py linear POLICY E/rollouts/start__val.jsonl E/rollouts/start__test.jsonl
+    python benchmarks/probes/confidence_probe.py certain LABEL=POLICY=ROLLOUTS.jsonl [LABEL=POLICY=ROLLOUTS.jsonl ...]
 
 For rollouts whose confidence follows the answer (`rollout.confidence_after_answer`):
 - linear:  is correctness linearly decodable from the policy's hidden states where the answer
@@ -25,7 +25,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def answered(path: str):
