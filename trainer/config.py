@@ -132,7 +132,7 @@ class SFTConfig:
     # With "random": the share of answers whose confidence is instead drawn from the half that
     # matches the teacher's own correctness (5-10 if right, 1-4 if wrong): a weak calibration
     # signal, as a real LLM has. Measured at 0.3: the 4- and 8-layer tiny policies still do not
-    # learn it where the digit is written (results/learning.md; configs/experiments/tiny_papers_hinted.yaml).
+    # learn it where the digit is written (results/LOG.md; configs/experiments/tiny_papers_hinted.yaml).
     p_confidence_hint: float = 0.0
     # The papers' imperfections (each what one paper's RL fixes; world.teacher_segments):
     p_idk: float = 0.0  # answer "I don't know" at random, never because it should (BAPO)
