@@ -48,7 +48,7 @@ def test_extensions_off_leave_every_older_world_and_its_cache_key_unchanged():
     assert json.dumps([plain.corpus, plain.questions]) == json.dumps([off.corpus, off.questions])
     assert not any("category" in q["metadata"] for qs in plain.questions.values() for q in qs)
     # the cached SFT starts of the shipped configs stay valid (results/tiny.md, the Lagrangian runs);
-    # world.FORMAT_VERSION 4 (stop 18: the tokenizer splits as Qwen2's) changed them once, on purpose
+    # world.FORMAT_VERSION 4 (2026-11-23: the tokenizer splits as Qwen2's) changed them once, on purpose
     # sft.bf16=true: these keys were pinned when SFT ran in bf16 by default; `auto` (trainer/precision.py)
     # keys the resolved value, so a machine without native bf16 builds (and caches) its own start
     bf16 = ["sft.bf16=true"]

@@ -11,7 +11,7 @@ believes what it reads) is cut right before the answer, and the policy is asked:
 Printed per category (plain, unanswerable, misinfo): the mean of each. A policy that knows its
 boundary puts more IDK and less confidence on unanswerable contexts than on plain ones; the
 greedy evaluation only shows the result once the argmax flips, this shows the drift before.
-Measured (results/LOG.md): after 10 BAPO steps in the stop-12 namesake world, idk 0.14 on
+Measured (results/LOG.md): after 10 BAPO steps in the namesake world of 2026-11-22, idk 0.14 on
 unanswerable vs 0.15 on plain contexts (no separation); after 20 steps in the boundary world,
 0.89 vs 0.10.
 """

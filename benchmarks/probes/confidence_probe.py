@@ -14,7 +14,7 @@ For rollouts whose confidence follows the answer (`rollout.confidence_after_answ
            model's own answers, its mean on right and on wrong answers, and its AUC for being
            right (Deliberative Searcher's zeta = 5). The greedy evaluation shows a calibration
            only once the argmax flips; this shows the drift before.
-Measured (results/LOG.md, stop 18), the papers' start with the confidence after the answer:
+Measured (results/LOG.md, 2026-11-23), the papers' start with the confidence after the answer:
 linear AUC 0.87-0.91 at the digit vs 0.59-0.71 at the answer (layers 1-4); P(>= 5) right / wrong
 0.597 / 0.597 at the start, 0.529 / 0.529 after 20 Lagrangian steps at lr 2e-4, 0.408 / 0.399 at 1e-3.
 """
