@@ -3,7 +3,7 @@
     python train.py --config configs/tiny.yaml                 # the embedded tiny world, CPU
     python train.py --config configs/tiny.yaml --set train.steps=5 --set rollout.engine=hf
     python train.py --resume runs/tiny-20261122-010203         # continue a killed run
-    python train.py --config configs/tiny_ppo.yaml             # PPO; also tiny_lagrangian.yaml
+    python train.py --config configs/tiny_ppo.yaml             # PPO; also configs/experiments/tiny_lagrangian.yaml
     python train.py --config X --plan                          # per-GPU memory plan, no model loaded
 
 One step, top to bottom: `train()` calls one function per stage (rollout_stage, reward_stage,

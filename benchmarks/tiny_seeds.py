@@ -2,7 +2,7 @@
 
     python benchmarks/tiny_seeds.py --config configs/tiny.yaml --seeds 0 1 2
     python benchmarks/tiny_seeds.py --config configs/tiny_ppo.yaml --seeds 0 1 2 --parallel 2
-    python benchmarks/tiny_seeds.py --config configs/tiny_lagrangian.yaml --seeds 0 1 2 \
+    python benchmarks/tiny_seeds.py --config configs/experiments/tiny_lagrangian.yaml --seeds 0 1 2 \
         --keys em_1hop em_2hop reward/reliability reward/acc --train-keys lambda/reliability
 
 Runs `train.py` once per seed (same cached SFT start, different rollout sampling), then prints

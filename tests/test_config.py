@@ -43,7 +43,7 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_every_shipped_config_loads():
-    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    configs = sorted((ROOT / "configs").glob("**/*.yaml"))  # reproduction/ and experiments/ too
     assert configs
     for path in configs:
         load_config(path)

@@ -19,7 +19,7 @@ def load(name: str):
     return load_config(CONFIGS / name)
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("**/*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_config_loads(path):
     cfg = load_config(path)
     parse_spec(cfg.train.reward)  # the reward names exist

@@ -288,7 +288,7 @@ def test_bapo_resampling_and_reliability():
     # reward_params, so the marking judges as the reward does)
     near = group(["Kesh", "Kesh"], "d")
     assert bapo_resample_groups(near) == ["d"] and bapo_resample_groups(near, correct="reward") == []
-    assert bapo_resample_groups(near, **{"f1_unit": "word", "alpha": 0.2}) == ["d"]  # configs/tiny_bapo.yaml's
+    assert bapo_resample_groups(near, **{"f1_unit": "word", "alpha": 0.2}) == ["d"]  # reproduction/tiny_bapo.yaml's
     correct = [exact_match(parsed(r).answer, golden_of(r)) for r in records]
     m = bapo_metrics(records, correct)  # N 6, correct 1, IDK 1: acc 1/6, prec 1/5, rho 1/6
     assert m["acc"] == pytest.approx(1 / 6) and m["bapo_prec"] == pytest.approx(1 / 5)

@@ -48,12 +48,12 @@ def test_extensions_off_leave_every_older_world_and_its_cache_key_unchanged():
     assert json.dumps([plain.corpus, plain.questions]) == json.dumps([off.corpus, off.questions])
     assert not any("category" in q["metadata"] for qs in plain.questions.values() for q in qs)
     # the cached SFT starts of the shipped configs stay valid (results/tiny.md, the Lagrangian runs);
-    # world.FORMAT_VERSION 4 (stop 18: the tokenizer splits as Qwen2's) changed them once, on purpose
+    # world.FORMAT_VERSION 4 (2026-11-23: the tokenizer splits as Qwen2's) changed them once, on purpose
     # sft.bf16=true: these keys were pinned when SFT ran in bf16 by default; `auto` (trainer/precision.py)
     # keys the resolved value, so a machine without native bf16 builds (and caches) its own start
     bf16 = ["sft.bf16=true"]
     assert world_key(load_config(ROOT / "configs/tiny.yaml", bf16)) == "2ab02866ae47"
-    assert world_key(load_config(ROOT / "configs/tiny_lagrangian.yaml", bf16)) == "53ba2c44687a"
+    assert world_key(load_config(ROOT / "configs/experiments/tiny_lagrangian.yaml", bf16)) == "53ba2c44687a"
 
 
 def test_unanswerable_people_are_absent_from_the_corpus(ext):
@@ -265,13 +265,13 @@ def test_rule_judge_rules_and_their_use_in_the_rewards():
 
 
 def test_config_base_inherits_and_bad_bases_name_the_file(tmp_path):
-    veritas = load_config(ROOT / "configs/tiny_veritas.yaml")
-    papers = load_config(ROOT / "configs/tiny_papers.yaml")
+    veritas = load_config(ROOT / "configs/reproduction/tiny_veritas.yaml")
+    papers = load_config(ROOT / "configs/reproduction/tiny_papers.yaml")
     assert veritas.train.reward != papers.train.reward == "em"
     assert (veritas.world, veritas.sft, veritas.rollout) == (papers.world, papers.sft, papers.rollout)
-    bapo = load_config(ROOT / "configs/tiny_bapo.yaml")  # base tiny_papers_boundary.yaml, whose base is tiny_papers
+    bapo = load_config(ROOT / "configs/reproduction/tiny_bapo.yaml")  # base: tiny_papers_boundary, its base tiny_papers
     assert bapo.world.unanswerable_frac == 0.5 and bapo.world.n_people == papers.world.n_people
-    fixed = load_config(ROOT / "configs/tiny_deliberative_fixed.yaml")  # a base of a base
+    fixed = load_config(ROOT / "configs/reproduction/tiny_deliberative_fixed.yaml")  # a base of a base
     assert fixed.train.constraints[0]["fixed_lambda"] == 0.1 and fixed.train.reward == "deliberative"
     (tmp_path / "a.yaml").write_text("base: missing.yaml\n")
     with pytest.raises(ConfigError, match=r"missing\.yaml.*the base of"):
@@ -281,7 +281,7 @@ def test_config_base_inherits_and_bad_bases_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="loops"):
         load_config(tmp_path / "b.yaml")
     (tmp_path / "d.yaml").write_text(
-        "base: c.yaml\ntrain: {lr_rat: 1}\n".replace("c.yaml", str(ROOT / "configs/tiny_papers.yaml"))
+        "base: c.yaml\ntrain: {lr_rat: 1}\n".replace("c.yaml", str(ROOT / "configs/reproduction/tiny_papers.yaml"))
     )
     with pytest.raises(ConfigError, match="train.lr_rat"):
         load_config(tmp_path / "d.yaml")
@@ -411,13 +411,13 @@ def test_protocol_teachers_write_valid_trajectories_through_the_rollout_loop(ext
 def test_a_protocol_world_builds_and_trains_end_to_end(tmp_path):
     """World -> deliberative teacher through rollout.py -> tokenizer with the protocol's tags ->
     SFT -> one GRPO step with vLLM, search + read tools, the deliberative reward and its Lagrangian
-    (configs/tiny_deliberative.yaml; a smoke run: 30 SFT steps teach nothing, the wiring is what
+    (configs/reproduction/tiny_deliberative.yaml; a smoke run: 30 SFT steps teach nothing, the wiring is what
     is checked)."""
     sets = [*MICRO_PAPERS, f"world.cache_dir={tmp_path / 'cache'}", "sft.steps=30", "rollout.protocol=deliberative",
             "rollout.max_turns=5", "rollout.prompt_template=", "train.steps=1",
             "train.eval_every=0",  # the step's own rollouts check the tools; validation adds nothing here
             f"train.run_dir={tmp_path / 'runs'}", "rollout.gpu_memory_utilization=0.1"]  # fmt: skip
-    cmd = [sys.executable, "train.py", "--config", "configs/tiny_deliberative.yaml",
+    cmd = [sys.executable, "train.py", "--config", "configs/reproduction/tiny_deliberative.yaml",
            *sum((["--set", s] for s in sets), [])]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -11,7 +11,7 @@ from numerics import logprob_atol, model_vocab
 RUNS = {
     "ppo": {"algo": "ppo", "kl_in_reward": True, "kl_estimator": "k1", "critic_lr": 1e-3},
     "rft": {"algo": "rft", "rft_accept": 1.0},
-    # word F1, as configs/tiny_bapo.yaml: the resampling must judge "correct" in the reward's unit
+    # word F1, as configs/reproduction/tiny_bapo.yaml: the resampling must judge "correct" in the reward's unit
     "bapo": {
         "reward": "bapo",
         "reward_params": {"f1_unit": "word"},
@@ -60,7 +60,7 @@ def test_ppo_rft_and_bapo_loops_train_and_checkpoint(micro, tmp_path):
         assert f"idk_rate/{r['bapo_stage']}" in r
         assert {"reward/correct", "reward/idk_bonus", "reward/gate"} <= set(r)
     assert rows["bapo"][0]["bapo_stage"] == "exploration"  # the stage logic itself: test_rewards.py
-    assert sum(r["resampled_groups"] for r in rows["bapo"]) > 0  # (with char F1 here: 0, stop 13's bug)
+    assert sum(r["resampled_groups"] for r in rows["bapo"]) > 0  # (with char F1 here: 0, the 2026-11-22 bug)
 
     lora_run = next((tmp_path / "lora").glob("lora-*"))
     ckpt = lora_run / "checkpoints" / "step_2"

@@ -5,10 +5,10 @@ results/tiny_papers.md with curves.
     python reproduce.py --world papers --seeds 0 --set train.steps=2 --out /tmp/papers.md  # smoke
 
 The runs start from two SFT policies (cached in cache/), each with its plain GRPO baseline:
-- configs/tiny_papers.yaml: the tiny world with unanswerable and misinformation questions
+- configs/reproduction/tiny_papers.yaml: the tiny world with unanswerable and misinformation questions
   (tiny/world.py) and a Search-R1-format teacher that has each paper's flaw (world.Habits: random
   confidence, IDK only at random, site: rarely, a think that ignores what it read);
-- configs/tiny_papers_boundary.yaml, the "boundary world" of BAPO's rows: a third of the
+- configs/reproduction/tiny_papers_boundary.yaml, the "boundary world" of BAPO's rows: a third of the
   questions ask about people no passage names (the search finds no namesake), no misinformation,
   and the teacher's random IDK more often.
 Each paper's config changes the reward, nothing else, so every row is compared with the plain
@@ -51,19 +51,19 @@ from trainer.questions import benchmark_name
 BASELINE = "GRPO baseline (EM)"
 BOUNDARY_BASELINE = "GRPO baseline (EM), boundary world"
 RUNS = {  # row -> config
-    BASELINE: "configs/tiny_papers.yaml",
-    BOUNDARY_BASELINE: "configs/tiny_papers_boundary.yaml",
-    "Search-R1: no retrieved-token mask": "configs/tiny_search_r1_nomask.yaml",
-    "Deliberative: Lagrangian": "configs/tiny_deliberative.yaml",
-    "Deliberative: fixed λ = 0.1": "configs/tiny_deliberative_fixed.yaml",
+    BASELINE: "configs/reproduction/tiny_papers.yaml",
+    BOUNDARY_BASELINE: "configs/reproduction/tiny_papers_boundary.yaml",
+    "Search-R1: no retrieved-token mask": "configs/reproduction/tiny_search_r1_nomask.yaml",
+    "Deliberative: Lagrangian": "configs/reproduction/tiny_deliberative.yaml",
+    "Deliberative: fixed λ = 0.1": "configs/reproduction/tiny_deliberative_fixed.yaml",
     # advantages normalised by the batch's std / by none: research rows, run only when named with
     # --only (not in DEFAULT_ROWS); measured in results/deliberative_adv_std.md
-    "Deliberative: Lagrangian, batch std": "configs/tiny_deliberative_batchstd.yaml",
-    "Deliberative: Lagrangian, no std": "configs/tiny_deliberative_nonestd.yaml",
-    "BAPO": "configs/tiny_bapo.yaml",
-    "BAPO: fixed +0.5 per IDK": "configs/tiny_bapo_fixed.yaml",
-    "WebFilter": "configs/tiny_webfilter.yaml",
-    "VERITAS": "configs/tiny_veritas.yaml",
+    "Deliberative: Lagrangian, batch std": "configs/reproduction/tiny_deliberative_batchstd.yaml",
+    "Deliberative: Lagrangian, no std": "configs/reproduction/tiny_deliberative_nonestd.yaml",
+    "BAPO": "configs/reproduction/tiny_bapo.yaml",
+    "BAPO: fixed +0.5 per IDK": "configs/reproduction/tiny_bapo_fixed.yaml",
+    "WebFilter": "configs/reproduction/tiny_webfilter.yaml",
+    "VERITAS": "configs/reproduction/tiny_veritas.yaml",
 }
 DEFAULT_ROWS = [row for row in RUNS if not row.endswith(("batch std", "no std"))]  # what a plain call trains
 SFT_ROW, BOUNDARY_SFT_ROW = "SFT start", "SFT start, boundary world"
@@ -297,8 +297,9 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         f"Greedy evaluation on the first {held_out} held-out test questions of each start's world",
         "(`test.jsonl`: plain, unanswerable and misinformation questions, half 1-hop, half 2-hop). Each",
         "paper's rows start from the same SFT policy as its GRPO baseline, and change only the reward",
-        "(configs/tiny_<paper>.yaml). BAPO's rows start in the boundary world (configs/tiny_papers_boundary.yaml:",
-        "a third of the questions ask about people no passage names, the teacher's random IDK 15%).",
+        "(configs/reproduction/tiny_<paper>.yaml). BAPO's rows start in the boundary world",
+        "(configs/reproduction/tiny_papers_boundary.yaml: a third of the questions ask about people no",
+        "passage names, the teacher's random IDK 15%).",
         "Faithfulness (info-think) and WebFilter's c are scored by the **rule judge** (judge.RuleJudge), not an LLM.",
         "",
         "## Acceptance (issue 7), from the means below",

@@ -264,7 +264,7 @@ def copy_probe(cfg: Config, world_path: Path, tool, tokenizer, n: int = 200):
 
 # Below this held-out copy accuracy the SFT start has not learnt to read a passage. Seen: a
 # teacher differing only in its confidence digits moved the jump past 800 steps (0.35 at 800,
-# validation EM 0.16; configs/tiny_papers_calibrated.yaml). The tiny starts end at 0.84-0.92.
+# validation EM 0.16; configs/experiments/tiny_papers_calibrated.yaml). The tiny starts end at 0.84-0.92.
 MIN_COPY_ACC = 0.5
 
 

@@ -17,7 +17,7 @@ Worked example, deliberative, 1-hop ("Where was Tavi Morek born?"), turn by turn
     <result>[p17] Tavi Morek\\nTavi Morek was born in the city of Velor.</result>
     <think> Tavi Morek was born in the city of Velor.</think><confidence> 2</confidence><answer> Velor</answer>
 
-    python -m tiny.teachers --config configs/tiny_papers.yaml --set rollout.protocol=deliberative -n 3
+    python -m tiny.teachers --config configs/reproduction/tiny_papers.yaml --set rollout.protocol=deliberative -n 3
 """
 
 from __future__ import annotations
@@ -217,7 +217,8 @@ def protocol_trajectories(cfg, questions: list[dict], tools, countries: list[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="a tiny-world config, e.g. configs/tiny_papers.yaml")
+    parser.add_argument("--config", required=True,
+                        help="a tiny-world config, e.g. configs/reproduction/tiny_papers.yaml")  # fmt: skip
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. rollout.protocol=deliberative")  # fmt: skip
     parser.add_argument("-n", type=int, default=3, help="trajectories to print")

@@ -80,7 +80,7 @@ class WorldConfig:
     # share of people and of cities that also get a contradicting passage on an unreliable
     # domain (docs/design.md §5), so that restricting the source (site:, WebFilter) pays
     unreliable_frac: float = 0.05
-    # Extensions for the papers' tiny runs (configs/tiny_papers.yaml); 0 leaves the world as it was.
+    # Extensions for the papers' tiny runs (configs/reproduction/tiny_papers.yaml); 0 leaves the world as it was.
     # unanswerable_frac: per split, this many extra people (as a share of the split's) whose
     # passage is absent from the corpus (BAPO's "I don't know" questions).
     unanswerable_frac: float = 0.0
@@ -132,7 +132,7 @@ class SFTConfig:
     # With "random": the share of answers whose confidence is instead drawn from the half that
     # matches the teacher's own correctness (5-10 if right, 1-4 if wrong): a weak calibration
     # signal, as a real LLM has. Measured at 0.3: the 4- and 8-layer tiny policies still do not
-    # learn it where the digit is written (results/learning.md; configs/tiny_papers_hinted.yaml).
+    # learn it where the digit is written (results/LOG.md; configs/experiments/tiny_papers_hinted.yaml).
     p_confidence_hint: float = 0.0
     # The papers' imperfections (each what one paper's RL fixes; world.teacher_segments):
     p_idk: float = 0.0  # answer "I don't know" at random, never because it should (BAPO)
@@ -283,7 +283,7 @@ class TrainConfig:
     is_correction: float = 0.0
     # Lagrangian constraints (Deliberative Searcher Alg. 1, generalised; train.py "Constraints"):
     # a list of {name, stat, threshold, direction, lambda0, eta, warmup_frac, fixed_lambda,
-    # measure, param}. See configs/tiny_lagrangian.yaml.
+    # measure, param}. See configs/experiments/tiny_lagrangian.yaml.
     constraints: list = field(default_factory=list)
     # Experiment tracking (trainer/tracking.py): tensorboard and / or wandb get the scalars of metrics.jsonl
     report_to: list = field(default_factory=list)  # e.g. [tensorboard, wandb]; --set train.report_to=tensorboard
@@ -618,7 +618,7 @@ def _parse_yaml(text: str, where: str, in_file: bool = True) -> object:
 
 def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:
     """Apply one YAML file to cfg; its `base: other.yaml` (relative to the file) goes first, so a
-    paper's config names only what it changes (configs/tiny_bapo.yaml: `base: tiny_papers.yaml`)."""
+    paper's config names only what it changes (configs/reproduction/tiny_bapo.yaml: `base: tiny_papers.yaml`)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
     if path.resolve() in seen:

@@ -35,7 +35,7 @@ which would need a second rollout per step.
 
 Why bound lambda: in eq. 6 a wrong, unsure answer earns 0.1 + lambda and a right, unsure one
 0.9 + 0.1, so once lambda > 0.9 a policy whose confidence cannot follow its correctness is
-paid to be wrong (measured: results/learning.md, Deliberative Searcher: validation EM 0.525 -> 0.260
+paid to be wrong (measured: results/LOG.md, Deliberative Searcher: validation EM 0.525 -> 0.260
 between steps 10 and 20 as lambda passed 2). `lambda_max: 0.8` keeps the order right > wrong at
 every confidence, though among unsure answers the correctness signal is still only 0.1.
 """

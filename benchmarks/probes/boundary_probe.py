@@ -1,6 +1,6 @@
 """Does a policy know where its knowledge ends? Two teacher-forced probes per question category.
 
-    python benchmarks/boundary_probe.py --config configs/tiny_papers_boundary.yaml \
+    python benchmarks/probes/boundary_probe.py --config configs/reproduction/tiny_papers_boundary.yaml \
         --model cache/tiny-7078567a2759/policy --model runs/papers-main/tiny-bapo-seed0-*/checkpoints/step_20
 
 For the first --n validation questions of the config's world, the teacher's trajectory (it
@@ -11,7 +11,7 @@ believes what it reads) is cut right before the answer, and the policy is asked:
 Printed per category (plain, unanswerable, misinfo): the mean of each. A policy that knows its
 boundary puts more IDK and less confidence on unanswerable contexts than on plain ones; the
 greedy evaluation only shows the result once the argmax flips, this shows the drift before.
-Measured (results/learning.md): after 10 BAPO steps in the stop-12 namesake world, idk 0.14 on
+Measured (results/LOG.md): after 10 BAPO steps in the namesake world of 2026-11-22, idk 0.14 on
 unanswerable vs 0.15 on plain contexts (no separation); after 20 steps in the boundary world,
 0.89 vs 0.10.
 """
@@ -21,7 +21,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def teacher_text(cfg, question: dict, tool, rng: random.Random) -> str:

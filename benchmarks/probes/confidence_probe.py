@@ -2,8 +2,8 @@
 
     python eval.py --config C --model start=POLICY --datasets W/val.jsonl W/test.jsonl \
         --set eval.max_questions=2000 --judge-url rule --out E      # greedy rollouts, both splits
-    python benchmarks/confidence_probe.py linear POLICY E/rollouts/start__val.jsonl E/rollouts/start__test.jsonl
-    python benchmarks/confidence_probe.py certain LABEL=POLICY=ROLLOUTS.jsonl [LABEL=POLICY=ROLLOUTS.jsonl ...]
+    python benchmarks/probes/confidence_probe.py linear POLICY E/rollouts/start__val.jsonl E/rollouts/start__test.jsonl
+    python benchmarks/probes/confidence_probe.py certain LABEL=POLICY=ROLLOUTS.jsonl [LABEL=POLICY=ROLLOUTS.jsonl ...]
 
 For rollouts whose confidence follows the answer (`rollout.confidence_after_answer`):
 - linear:  is correctness linearly decodable from the policy's hidden states where the answer
@@ -14,7 +14,7 @@ For rollouts whose confidence follows the answer (`rollout.confidence_after_answ
            model's own answers, its mean on right and on wrong answers, and its AUC for being
            right (Deliberative Searcher's zeta = 5). The greedy evaluation shows a calibration
            only once the argmax flips; this shows the drift before.
-Measured (results/learning.md, stop 18), the papers' start with the confidence after the answer:
+Measured (results/LOG.md, 2026-11-23), the papers' start with the confidence after the answer:
 linear AUC 0.87-0.91 at the digit vs 0.59-0.71 at the answer (layers 1-4); P(>= 5) right / wrong
 0.597 / 0.597 at the start, 0.529 / 0.529 after 20 Lagrangian steps at lr 2e-4, 0.408 / 0.399 at 1e-3.
 """
@@ -25,7 +25,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def answered(path: str):

@@ -1,9 +1,9 @@
 """How fast can GRPO teach one token to depend on the boundary? An isolated-signal experiment.
 
-    python benchmarks/token_signal.py --config configs/tiny_papers_boundary.yaml \
+    python benchmarks/probes/token_signal.py --config configs/reproduction/tiny_papers_boundary.yaml \
         --model cache/tiny-7078567a2759/policy --target conf --steps 60
 
-On teacher-forced contexts of the config's world (benchmarks/boundary_probe.py's), only ONE
+On teacher-forced contexts of the config's world (benchmarks/probes/boundary_probe.py's), only ONE
 token is trained, with the GRPO advantage of a perfect reward for it, nothing else:
   conf        the confidence digit right before the answer ("...</think><confidence>"):
               reward 1 for c < 5 on unanswerable questions, c >= 5 on answerable ones
@@ -17,10 +17,10 @@ divided as a 45-token response would be (train.py's token mean), one AdamW step.
 there, P(c < 5) or P(IDK). A token whose two numbers move apart learns the boundary; moving
 together means it learns a global shift.
 
-Measured on the boundary start (results/learning.md): idk separates by step 10 (0.85 vs 0.04);
+Measured on the boundary start (results/LOG.md): idk separates by step 10 (0.85 vs 0.04);
 conf moves together (0.18 vs 0.17 at step 20) and separates only from step ~40; conf_after
 from step ~30. With --lr 1e-3, conf separates by step 10 (0.44 vs 0.07) and fully
-by step 20 (0.997 vs 0.001); the full RL task at train.lr=1e-3 did not (results/learning.md).
+by step 20 (0.997 vs 0.001); the full RL task at train.lr=1e-3 did not (results/LOG.md).
 --readout (only the output layer and final norm learn, reading the features already there):
 idk still separates by step 10 (0.89 vs 0.06), conf and conf_after never do (0.011 vs 0.009 and
 0.031 vs 0.011 at step 40, both falling): the SFT policy has no boundary feature where the
@@ -32,7 +32,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 GROUP, QUESTIONS, RESPONSE_TOKENS = 8, 16, 45  # train.py's group_size / questions_per_step; a typical response
 
