@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         return papers_main(argv)
     args = parser.parse_args(argv)
     try:
-        cfg = resolve_precision(load_config(args.config, args.set))  # a bad config or override fails here, before any work
+        cfg = resolve_precision(load_config(args.config, args.set))  # a bad config or override fails here
     except ConfigError as e:
         parser.error(str(e))
     t_start = time.time()
