@@ -142,6 +142,7 @@ from trainer.precision import resolve as resolve_precision
 from trainer.questions import first_of_each_benchmark, load_questions
 from trainer.rundir import check_resume_config, own_run_dir
 from trainer.tracking import check_report_to, close_trackers, open_trackers, summary_table, track
+from trainer.turns import grpo_turn_advantages, has_turn_rewards
 
 # ---------------------------------------------------------------------------------------------
 # The BAPO loop (resampling, stage) and Reliable RFT.
@@ -277,16 +278,16 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         for group in p.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         switch_on(p.constraints, step, cfg.train.steps)
-        batch_idx, p.order = _next_batch(p.order, len(p.train_q), cfg.train.questions_per_step, p.rng)
         t0, gpu = time.time(), {"engine": p.engine_gib, "before": stage_peak_gib(p.world)}  # setup or eval, save
-        records, resampled = rollout_stage(p, [p.train_q[i] for i in batch_idx], step)  # 1. roll out
+        judged_before = judge_counts(p.judge)
+        records, counts = rollout_stage(p, step)  # 1. roll out (and, with filter_groups, score and refill)
         retrieve = p.timings.get("retrieve", 0.0)
         times = {"generate": slowest(time.time() - t0 - retrieve, p.world),
                  "retrieve": slowest(retrieve, p.world)}  # fmt: skip
         gpu["generate"] = stage_peak_gib(p.world)
         t0 = time.time()
         try:
-            constraint_row = reward_stage(p, records)  # 2. rewards, constraint terms
+            constraint_row = reward_stage(p, records, judged_before, scored=cfg.train.filter_groups)  # 2. rewards
             times["reward"], t0 = time.time() - t0, time.time()
             stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
         except TrainingFault as e:  # a NaN reward, loss or gradient: stop before it reaches a checkpoint
@@ -296,7 +297,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         sync_stage(p)  # 6. the new weights into the engine(s)
         times["sync"] = slowest(time.time() - t0, p.world)
         gpu["sync"] = stage_peak_gib(p.world)
-        row = step_row(p, step, records, stats, constraint_row, times, resampled) if p.main else {}
+        row = step_row(p, step, records, stats, constraint_row | counts, times) if p.main else {}
         if torch.cuda.is_available() and p.main:
             row["gpu_peak_gib"] = gpu
         if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
@@ -453,31 +454,87 @@ def roll_out(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
     return gather_lists(records, p.world, every=p.tp)
 
 
-def rollout_stage(p: RunParts, questions: list[dict], step: int) -> tuple[list[dict], int]:
-    """1. G rollouts per question (and BAPO's resampled groups): (records, groups resampled)."""
+def rollout_stage(p: RunParts, step: int) -> tuple[list[dict], dict]:
+    """1. G rollouts per question of the step's batch, plus BAPO's resampled groups or, with
+    train.filter_groups, the groups that replace those whose rewards are all alike: (records, the
+    stage's counts for the step's row)."""
     cfg = p.cfg
+    batch_idx, p.order = _next_batch(p.order, len(p.train_q), cfg.train.questions_per_step, p.rng)
+    questions = [p.train_q[i] for i in batch_idx]
     records = roll_out(p, questions, cfg.train.seed * 100003 + step)
     check_engine_logprobs(records, cfg.rollout.engine, step + 1)  # NaN from the engine: named as its own
-    resampled = 0
+    counts = {}
     if cfg.train.resample_groups > 0:
-        records, resampled = resample_marked_groups(records, questions, lambda qs, seed: roll_out(p, qs, seed), cfg,
-                                                    step, p.bapo.stage if p.bapo else "plateau")  # fmt: skip
+        stage = p.bapo.stage if p.bapo else "plateau"
+        records, counts["resampled_groups"] = resample_marked_groups(records, questions,
+                                                                     lambda qs, seed: roll_out(p, qs, seed), cfg,
+                                                                     step, stage)  # fmt: skip
+    if cfg.train.filter_groups:
+        records, counts["filter"] = fill_varied_groups(p, records, step)
     p.engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
-    return records, resampled
+    return records, counts
 
 
-def reward_stage(p: RunParts, records: list[dict]) -> dict:
-    """2. Rewards (each rank its groups; a judge's verdicts asked in one batch, rewards.compute),
-    then the constraints' U, terms and dual update, then the KL penalty when it is part of the
-    reward. Returns the judge's and the constraints' metrics. Too many failed verdicts stop the
-    step here, before any optimizer step (check_judge)."""
-    cfg = p.cfg
-    params = reward_params(p.constraints, cfg.train.reward_params)
-    if p.bapo is not None:  # the modulator's inputs: the stage and this batch's IDK ratio (BAPO §4.2)
+def fill_varied_groups(p: RunParts, records: list[dict], step: int) -> tuple[list[dict], dict]:
+    """DAPO's dynamic sampling (DAPO §3.2, eq. 11: keep a group only if 0 < #correct < G; here, if
+    its rewards are not all equal, which is the same for EM and also holds for graded rewards):
+    score the batch, keep its groups whose rewards differ, and roll out the next questions of the
+    data order in place of the others, up to train.filter_max_rounds more rounds. Returns the kept
+    groups, at most questions_per_step of them, and the counts: the share of the first batch's
+    groups that varied, the extra rounds, the questions rolled out (the oversampling: DAPO's
+    num_gen_batches) and the groups trained on. A batch still short after the last round trains on
+    the groups it has, said in one line; none at all keeps the first batch as it was (its
+    advantages are all 0: the step trains on the KL term alone, as without filtering)."""
+    cfg, want = p.cfg, p.cfg.train.questions_per_step
+    score_records(p, records)
+    kept = varied_groups(records)
+    first, rounds, rolled = len(kept), 0, len({r["group_id"] for r in records})
+    while len(kept) < want and rounds < cfg.train.filter_max_rounds:
+        rounds += 1
+        idx, p.order = _next_batch(p.order, len(p.train_q), want - len(kept), p.rng)
+        fresh = roll_out(p, [p.train_q[i] for i in idx], cfg.train.seed * 100003 + step + 7_000_003 * rounds)
+        check_engine_logprobs(fresh, cfg.rollout.engine, step + 1)
+        score_records(p, fresh)
+        taken = {g[0]["group_id"] for g in kept}  # a question drawn twice in a step (a small set) counts once
+        kept += [g for g in varied_groups(fresh) if g[0]["group_id"] not in taken]
+        rolled += len(idx)
+    counts = {"varied_first": first / max(1, rolled if rounds == 0 else want), "rounds": rounds,
+              "questions": rolled, "groups": min(len(kept), want)}  # fmt: skip
+    if len(kept) < want and p.main:
+        tqdm.write(f"filter_groups: step {step + 1}: {len(kept)} of {want} groups have rewards that differ after "
+                   f"{rounds} more rounds (train.filter_max_rounds); training on "
+                   f"{len(kept) if kept else 'the first batch as it was'}")  # fmt: skip
+    if not kept:
+        return records, counts
+    return [r for group in kept[:want] for r in group], counts
+
+
+def varied_groups(records: list[dict]) -> list[list[dict]]:
+    """The groups (in order) whose rollouts' rewards are not all equal: the ones GRPO learns from."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(str(r["group_id"]), []).append(r)
+    return [g for g in groups.values() if len({r["reward"] for r in g}) > 1]
+
+
+def score_records(p: RunParts, records: list[dict]) -> None:
+    """rewards.score with the run's parameters (the constraints' lambdas, BAPO's modulator inputs:
+    the stage and this batch's IDK ratio, BAPO §4.2), each rank its groups (score_shared)."""
+    params = reward_params(p.constraints, p.cfg.train.reward_params)
+    if p.bapo is not None:
         params |= {"stage": p.bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
-    before = judge_counts(p.judge)
-    score_shared(records, cfg.train.reward, params, p.judge, p.rank, p.world)
-    judged = judge_row(p.judge, before, p.world)
+    score_shared(records, p.cfg.train.reward, params, p.judge, p.rank, p.world)
+
+
+def reward_stage(p: RunParts, records: list[dict], judged_before: dict, scored: bool = False) -> dict:
+    """2. Rewards (each rank its groups; a judge's verdicts asked in one batch; already scored
+    where filter_groups needed them), then the constraints' U, terms and dual update, then the KL
+    penalty when it is part of the reward. Returns the judge's and the constraints' metrics. Too
+    many failed verdicts stop the step here, before any optimizer step (check_judge)."""
+    cfg = p.cfg
+    if not scored:
+        score_records(p, records)
+    judged = judge_row(p.judge, judged_before, p.world)
     check_judge(p.judge, judged, cfg.train.judge_max_failure_rate, p.world)
     constraint_row = judged | constraints_step(p.constraints, records)  # U, then the terms, then the dual update
     if cfg.train.kl_in_reward and p.ref is not None and cfg.train.algo == "grpo":
@@ -496,16 +553,31 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
         stats = rft_step(p.model, kept, p.optimizer, cfg, pad_id, step) if kept else {}
         return stats | {"rft_kept": len(kept) / len(records)}
     if cfg.train.algo == "ppo":
-        return ppo_update(p.model, p.ref, p.critic, records, p.optimizer, p.critic_opt, cfg, pad_id, step, p.rank,
-                          p.world)  # fmt: skip
+        trained = [r for r in records if not truncated(r)] if cfg.train.mask_truncated else records
+        return ppo_update(p.model, p.ref, p.critic, trained, p.optimizer, p.critic_opt, cfg, pad_id, step, p.rank,
+                          p.world) if trained else {}  # fmt: skip
     advantages = group_advantages(
         [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
     )
     for r, a in zip(records, advantages):
         r["advantage"] = a
+    if cfg.train.turn_coef and has_turn_rewards(records):  # credit per search step (trainer/turns.py)
+        per_position = grpo_turn_advantages(records, advantages, cfg.train.turn_coef, cfg.train.turn_norm,
+                                            cfg.train.adv_eps, cfg.train.adv_std)  # fmt: skip
+        for r, adv in zip(records, per_position):
+            r["advantages"] = adv
     warn_if_no_signal(advantages, records, step, p.main)
-    stats = grpo_step(p.model, p.ref, records, p.optimizer, cfg, pad_id, step, p.rank, p.world)
-    return stats | {"adv_nonzero_frac": sum(a != 0 for a in advantages) / len(advantages)}
+    trained = [r for r in records if not truncated(r)] if cfg.train.mask_truncated else records
+    stats = grpo_step(p.model, p.ref, trained, p.optimizer, cfg, pad_id, step, p.rank, p.world) if trained else {}
+    for r in records:
+        r.pop("advantages", None)  # per-token lists would bloat samples/*.jsonl
+    return stats | {"adv_nonzero_frac": sum(a != 0 for a in advantages) / len(advantages),
+                    **({"truncated_masked": 1 - len(trained) / len(records)} if cfg.train.mask_truncated else {})}
+
+
+def truncated(record: dict) -> bool:
+    """Cut by rollout.max_turns or max_model_len before it answered (train.mask_truncated)."""
+    return record.get("finish") in ("max_turns", "length")
 
 
 def sync_stage(p: RunParts) -> None:
@@ -520,17 +592,16 @@ def sync_stage(p: RunParts) -> None:
     p.engine.load_weights(weights)
 
 
-def step_row(p: RunParts, step: int, records: list[dict], stats: dict, constraint_row: dict, times: dict,
-             resampled: int) -> dict:  # fmt: skip
+def step_row(p: RunParts, step: int, records: list[dict], stats: dict, constraint_row: dict, times: dict) -> dict:
     """The step's line of metrics.jsonl."""
     gen_tokens = sum(sum(r["loss_mask"]) for r in records)
+    groups = len({str(r["group_id"]) for r in records})
     row = {"step": step + 1} | batch_metrics(records) | stats | constraint_row | {
         "lr": lr_at(step, p.cfg),
         "tokens_per_s": gen_tokens / max(times["generate"], 1e-9),
+        "groups_alike": 1 - len(varied_groups(records)) / max(1, groups),  # groups with no GRPO signal
         "time": times,
     }  # fmt: skip
-    if p.cfg.train.resample_groups > 0:
-        row["resampled_groups"] = resampled
     if p.bapo is not None:
         row |= {"bapo_stage": p.bapo.stage, f"idk_rate/{p.bapo.stage}": row["idk_rate"]}
     return row

@@ -256,6 +256,21 @@ class TrainConfig:
     loss_norm_tokens: int = 0  # Dr.GRPO's constant divisor; 0: rollout.max_model_len
     adv_eps: float = 1e-6
     mask_retrieved: bool = True  # Search-R1's retrieved-token loss mask; False = its ablation
+    # Credit per search step (trainer/turns.py): with a reward that gives `turn_rewards`, each
+    # scored turn's policy tokens get turn_coef x its normalised turn reward on top of the outcome
+    # advantage (GRPO: MT-GRPO's lambda, 1.0 in its paper) or turn_coef x the turn reward at the
+    # turn's last token (PPO). turn_norm: group (every scored turn of the group, pooled) | turn_index
+    # (the group's k-th turns only, MT-GRPO; biased when the policy decides when to stop).
+    turn_coef: float = 1.0
+    turn_norm: str = "group"
+    # Dynamic sampling (DAPO §3.2): drop groups whose rewards are all equal (no gradient) and roll
+    # out the next questions in their place, up to filter_max_rounds more rollout rounds a step;
+    # the step trains on what it has then (logged: groups kept, rounds, questions rolled out).
+    filter_groups: bool = False
+    filter_max_rounds: int = 3
+    # A rollout cut by rollout.max_turns or max_model_len (finish "turns" / "length") leaves the
+    # loss (TRL's mask_truncated_completions): it scores like a wrong answer otherwise.
+    mask_truncated: bool = False
     micro_batch_tokens: int = 8192  # padded tokens per forward/backward (similar lengths packed)
     # a rewards.REWARDS name, a weighted sum ("0.9*em + 0.1*think_answer"), or "module:function"
     # for a reward defined outside this repo (README "Fork recipe")
@@ -425,6 +440,7 @@ CHOICES = {
     "train.optimizer": ("adamw", "adamw8bit"),
     "train.resample_stage": ("plateau", "always"),
     "train.resample_mode": ("enlarge", "replace"),
+    "train.turn_norm": ("group", "turn_index"),
 }
 
 
@@ -463,6 +479,10 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError("config key 'rollout.search_r1_text' is Search-R1's own prompt and tags: it needs "
                           "rollout.protocol search_r1, an empty rollout.prompt_template and rollout.allow_idk "
                           f"false; got {r.protocol!r}, {r.prompt_template!r}, {r.allow_idk}")  # fmt: skip
+    if cfg.train.filter_groups and (cfg.train.algo != "grpo" or cfg.train.resample_groups):
+        raise ConfigError("config key 'train.filter_groups' refills groups with no GRPO signal: it needs train.algo "
+                          f"grpo and no BAPO resampling (train.resample_groups 0); got {cfg.train.algo!r}, "
+                          f"{cfg.train.resample_groups}")  # fmt: skip
     if cfg.rollout.tensor_parallel_size > 1 and (cfg.rollout.engine, cfg.rollout.weight_sync) != ("vllm", "memory"):
         raise ConfigError("config key 'rollout.tensor_parallel_size' > 1 shares a vLLM engine between training "
                           "processes: it needs rollout.engine vllm and rollout.weight_sync memory")  # fmt: skip
@@ -542,6 +562,8 @@ RANGES = {
     "train.gae_lambda": "[0, 1]",
     "train.value_clip": "> 0",
     "train.resample_groups": ">= 0",
+    "train.turn_coef": ">= 0",  # 0: turn rewards are logged, not trained on
+    "train.filter_max_rounds": ">= 0",
     "train.bapo_patience": ">= 1",
     "train.bapo_min_delta": ">= 0",
     "train.lora_rank": ">= 0",  # 0: full fine-tuning

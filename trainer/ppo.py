@@ -60,6 +60,7 @@ from trainer.config import Config
 from trainer.distributed import all_reduce, clip_grad_norm, compute_device, full_weights
 from trainer.engine import model_dir
 from trainer.grpo import ensure_finite, grpo_step, kl_per_position
+from trainer.turns import has_turn_rewards, ppo_turn_rewards
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -160,15 +161,21 @@ def ppo_advantages(
     lam: float = 1.0,
     whiten_advantages: bool = True,
     mask_retrieved: bool = True,
+    turn_rewards: list[list[tuple[int, float]]] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """token_rewards -> gae -> whiten over the whole batch, per record: (advantages, returns),
     each a list of per-position tensors (length len(ids) - 1) like `values`. `kls` are
-    per-position KL(pi_old || ref) estimates (k1 in Search-R1), or None."""
+    per-position KL(pi_old || ref) estimates (k1 in Search-R1), or None. `turn_rewards`: per
+    record, (position, reward) of each scored action turn, added at that turn's last policy token
+    (trainer/turns.ppo_turn_rewards; StepSearch's step rewards), or None."""
     masks = [policy_positions(r, mask_retrieved) for r in records]
     width = max(len(m) for m in masks)
     mask = pad_rows(masks, width)
     kl = pad_rows(kls, width) if kls is not None else None
     rewards = token_rewards(torch.tensor(scores, dtype=torch.float32), mask, kl, kl_coef)
+    for i, turns in enumerate(turn_rewards or []):
+        for pos, value in turns:
+            rewards[i, pos] += value
     adv, ret = gae(rewards, pad_rows(values, width), mask, gamma, lam)
     if whiten_advantages:  # batch-level, over policy tokens only (Search-R1 / verl)
         adv = whiten(adv, mask)
@@ -365,6 +372,7 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
     advantages, returns = ppo_advantages(
         records, values, [r["reward"] for r in records], kls, tcfg.kl_coef, tcfg.gae_gamma, tcfg.gae_lambda,
         tcfg.whiten_advantages, tcfg.mask_retrieved,
+        ppo_turn_rewards(records, tcfg.turn_coef) if tcfg.turn_coef and has_turn_rewards(records) else None,
     )  # fmt: skip
     for r, adv in zip(records, advantages):
         r["advantages"] = adv.tolist()
