@@ -79,10 +79,11 @@ import torch
 from tqdm import tqdm
 
 from agent.answers import parsed
+from agent.bapo import BapoState, bapo_resample_groups
 from agent.judge import make_judge
 from eval import rollout_mode, summarize
 from report.metrics import batch_metrics, paper_metrics
-from rewards import BapoState, bapo_resample_groups, check_reward, score
+from rewards import check_reward, score
 from rollout import check_chat_template, rollout_batch
 from search.client import RetrieverError
 from search.tools import check_retriever, make_search_fn
@@ -151,7 +152,7 @@ def resample_marked_groups(records: list[dict], questions: list[dict], roll_out,
     the model outputs IDK or provides a correct answer", in the plateau stage (train.resample_stage;
     "always": both stages). The new rollouts join their group (train.resample_mode "enlarge":
     App. B.2's larger effective group, G up to G (k + 1)) or replace it ("replace"). Marked:
-    rewards.bapo_resample_groups with the reward's own parameters, so "correct" is judged as the
+    agent/bapo.bapo_resample_groups with the reward's own parameters, so "correct" is judged as the
     reward judges it. `roll_out(questions, seed)` rolls out G rollouts per question.
     Returns (records, number of groups rolled out again)."""
     if cfg.train.resample_stage == "plateau" and stage != "plateau":
