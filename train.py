@@ -385,17 +385,23 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         engine_gib=engine_gib,
     )  # fmt: skip
     if resume_from is not None:
-        state = load_trainer_state(resume_from, run, optimizer, rank, world)
-        if critic_opt is not None:
-            critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{rank}.pt"))
-        p.step0, p.order = state["step"], state["order"]
-        p.rng.setstate(state["data_rng"])
-        restore_constraints(constraints, state["constraints"])
-        if p.bapo is not None:
-            p.bapo.__dict__.update(state["bapo"])
-        print(f"resumed from {resume_from} at step {p.step0}", flush=True)
+        resume_state(p, resume_from)
     p.trackers = open_trackers(cfg, run, resumed=resume_from is not None) if rank == 0 else []
     return p
+
+
+def resume_state(p: RunParts, resume_from: Path) -> None:
+    """setup's last part when resuming: the checkpoint's optimizers, step, data order and RNG,
+    Lagrange multipliers and BAPO stage, into the freshly built parts."""
+    state = load_trainer_state(resume_from, p.run, p.optimizer, p.rank, p.world)
+    if p.critic_opt is not None:
+        p.critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{p.rank}.pt"))
+    p.step0, p.order = state["step"], state["order"]
+    p.rng.setstate(state["data_rng"])
+    restore_constraints(p.constraints, state["constraints"])
+    if p.bapo is not None:
+        p.bapo.__dict__.update(state["bapo"])
+    print(f"resumed from {resume_from} at step {p.step0}", flush=True)
 
 
 def sharded_policy_and_reference(cfg: Config, policy_dir: Path, ref_dir: Path | None, rank: int,
