@@ -242,12 +242,8 @@ def _corpus(cfg: Config) -> Path:
     return data_paths(cfg)["corpus"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["curves"]:  # python eval.py curves RUN_DIR: training curves as PNGs (report/plots.py)
-        return curves_main(argv[1:])
-    if argv[:1] == ["view"]:  # python eval.py view ROLLOUTS.jsonl -o view.html (report/viewer.py)
-        return viewer_main(argv[1:])
+def make_parser() -> argparse.ArgumentParser:
+    """The evaluation's command line (`curves` and `view` have their own)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config: the retriever, rollout engine and default data")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
@@ -282,6 +278,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference", default="",
                         help="row name whose rollouts the other rows' IDK answers are held against "
                              "(BAPO's rejection success rate, eq. 8)")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["curves"]:  # python eval.py curves RUN_DIR: training curves as PNGs (report/plots.py)
+        return curves_main(argv[1:])
+    if argv[:1] == ["view"]:  # python eval.py view ROLLOUTS.jsonl -o view.html (report/viewer.py)
+        return viewer_main(argv[1:])
+    parser = make_parser()
     args = parser.parse_args(argv)
     try:
         cfg = resolve_precision(load_config(args.config, args.set))

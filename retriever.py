@@ -60,7 +60,8 @@ def add_encoder_args(p: argparse.ArgumentParser, required: bool) -> None:
                    "with --model (never guessed from its path)")  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
+def make_parser() -> argparse.ArgumentParser:
+    """The command line: build, import, search, read, serve, each with its flags."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build an index directory from a corpus jsonl (resumes a killed build)")
@@ -119,39 +120,48 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--max-topk", type=int, default=100, help="largest topk (default 100)")
     v.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a client may take to read each 64 KiB of its reply before it is dropped (default 30)")
-    args = parser.parse_args(argv)
-    try:
-        if args.cmd == "build":
-            t = time.time()
-            out = build_index(
-                args.corpus,
-                args.out,
-                args.method,
-                args.model,
-                args.family,
-                args.index_factory,
-                args.batch_size,
-                args.chunk,
-                args.keep_embeddings,
-            )
-            print(f"built {out} in {time.time() - t:.1f} s")
-        elif args.cmd == "import":
-            out = import_index(args.faiss_index, args.corpus, args.out, args.model, args.family)
-            link = json.loads((out / "meta.json").read_text())["dense"]["link"]
-            print(f"imported {args.faiss_index} into {out} ({link}, not copied)")
-        elif args.cmd == "search":
-            index = load_index(args.index, args.corpus, args.search_params)
-            if args.web:
-                for q in args.query:
-                    print(f"## {q}\n{format_web_results(web_search(index, q, args.k))}\n")
-            else:
-                for q, hits in zip(args.query, search(index, args.query, args.k)):
-                    print(f"## {q}\n{format_hits(hits)}\n")
-        elif args.cmd == "read":
-            doc = read(load_index(args.index), args.key, args.max_tokens)
-            print(json.dumps(doc, indent=1, ensure_ascii=False))
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    """One subcommand, its result printed."""
+    if args.cmd == "build":
+        t = time.time()
+        out = build_index(
+            args.corpus,
+            args.out,
+            args.method,
+            args.model,
+            args.family,
+            args.index_factory,
+            args.batch_size,
+            args.chunk,
+            args.keep_embeddings,
+        )
+        print(f"built {out} in {time.time() - t:.1f} s")
+    elif args.cmd == "import":
+        out = import_index(args.faiss_index, args.corpus, args.out, args.model, args.family)
+        link = json.loads((out / "meta.json").read_text())["dense"]["link"]
+        print(f"imported {args.faiss_index} into {out} ({link}, not copied)")
+    elif args.cmd == "search":
+        index = load_index(args.index, args.corpus, args.search_params)
+        if args.web:
+            for q in args.query:
+                print(f"## {q}\n{format_web_results(web_search(index, q, args.k))}\n")
         else:
-            serve(args)
+            for q, hits in zip(args.query, search(index, args.query, args.k)):
+                print(f"## {q}\n{format_hits(hits)}\n")
+    elif args.cmd == "read":
+        doc = read(load_index(args.index), args.key, args.max_tokens)
+        print(json.dumps(doc, indent=1, ensure_ascii=False))
+    else:
+        serve(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    try:
+        run(args)
     except (ConfigError, DataError, OSError) as e:  # OSError: a full disk, a missing file; each names its file
         raise SystemExit(f"error: {e}") from None
 

@@ -34,8 +34,9 @@ and a reward that comes out NaN or infinite stops the step (TrainingFault). Offl
 
     python rewards.py --reward bapo --input rollouts.jsonl --output scores.jsonl
 
-One file on purpose (about 550 lines): the five papers' rewards side by side in one table is
-what a reader compares and a fork edits; the parsing and the judge they share live in agent/.
+One file on purpose (about 490 lines): the five papers' rewards side by side in one table is
+what a reader compares and a fork edits; the parsing and the judge they share live in agent/, and
+so does BAPO's machinery around its reward (agent/bapo.py: the modulator's stage, resampling).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
 
 from agent.answers import (
     ACTIONS,
@@ -57,6 +57,7 @@ from agent.answers import (
     parsed,
     substring_match,
 )
+from agent.bapo import bapo_correct, bapo_solved
 from agent.judge import asked_at_once, make_judge
 from search.web import SOURCE_OPERATORS
 from trainer import reward_spec
@@ -258,61 +259,8 @@ def syntax_verdict(record: dict, judge) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# BAPO (group-level): boundary-aware reward, adaptive modulator, resampling.
-
-
-@dataclass
-class BapoState:
-    """The adaptive modulator's stage (§4.2), driven by the trainer's validation signal."""
-
-    stage: str = "exploration"  # -> "plateau" after `patience` evaluations without improvement
-    best: float = -math.inf
-    since_best: int = 0
-    patience: int = 5  # docs/design.md §4: 5 evaluations (the paper: "e.g. 5 consecutive steps")
-    min_delta: float = 0.0  # a score must beat the best by more than this to count as improvement
-
-    def update(self, val_score: float) -> str:
-        """Feed one validation score; returns the (possibly switched) stage.
-
-        >>> s = BapoState(patience=1, min_delta=0.05)
-        >>> [s.update(v) for v in (0.49, 0.52)]  # +0.03 is not an improvement of more than 0.05
-        ['exploration', 'plateau']
-        """
-        if val_score > self.best + self.min_delta:
-            self.best, self.since_best = val_score, 0
-        else:
-            self.since_best += 1
-        if self.stage == "exploration" and self.since_best >= self.patience:
-            self.stage = "plateau"
-        return self.stage
-
-
-def bapo_correct(record: dict, f1_unit: str = "char", **_) -> float:
-    """R_correct (eq. 3): F1 with a valid format, -1 otherwise. The paper's F1 is character-level
-    (BAPO §2.2); f1_unit="word" gives SQuAD's. An IDK answer scores 0 (char-F1 of "I DON'T KNOW"
-    against a name is usually > 0; the paper is silent)."""
-    p = parsed(record)
-    if not p.format_ok:
-        return -1.0
-    if p.idk:
-        return 0.0
-    return (f1_score if f1_unit == "word" else char_f1)(p.answer, golden_of(record))
-
-
-def bapo_solved(record: dict, f1_unit: str = "char", correct: str = "em", **_) -> bool:
-    """Is this rollout "correct" for eq. 5's group test and for resampling ("no correct rollout")?
-
-    correct "em" (the default): a well-formed answer that matches a golden answer exactly
-    (after SQuAD normalisation). "reward": R_correct > 0, eq. 5 read literally. With the paper's
-    character F1 the literal reading almost never finds a group with no correct rollout: two
-    different names share letters (char-F1 of "Paris" against "Berlin" is 0.36), so R_IDK and
-    the resampling would go inert. EM keeps the paper's meaning, "no rollout found the answer",
-    in any F1 unit; R_correct itself (the reward) stays F1.
-    """
-    if correct == "reward":
-        return bapo_correct(record, f1_unit) > 0
-    p = parsed(record)
-    return p.format_ok and not p.idk and exact_match(p.answer, golden_of(record)) >= 1
+# BAPO (group-level): the boundary-aware reward (its modulator's stage, R_correct and the
+# resampling: agent/bapo.py).
 
 
 def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alpha: float = 0.05,
@@ -342,16 +290,6 @@ def bapo(group: list[dict], stage: str = "plateau", idk_ratio: float = 0.0, alph
 
 
 bapo.group = True
-
-
-def bapo_resample_groups(records: list[dict], f1_unit: str = "char", correct: str = "em", **_) -> list[str]:
-    """Group ids to roll out again (BAPO §4.2, up to k = 2 more times, the trainer counts):
-    no rollout correct (bapo_solved) and none said IDK. Takes the reward's own parameters
-    (train.reward_params), so "correct" is judged as the reward judges it."""
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(str(r.get("group_id")), []).append(r)
-    return [g for g, rs in groups.items() if not any(bapo_solved(r, f1_unit, correct) or parsed(r).idk for r in rs)]
 
 
 # --------------------------------------------------------------------------------------------

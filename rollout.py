@@ -217,20 +217,6 @@ def rollout_batch(
             if prefixes is not None:
                 _force_prefix(states[-1], prefixes[qi], tokenizer, cfg, proto)
 
-    def next_turn(i: int) -> list[Request]:
-        """The request for state i's next turn, or none when it has no turn or room left."""
-        s, turn = states[i], states[i].turns + 1
-        room = cfg.max_model_len - len(s.prompt_ids) - len(s.response_ids)
-        if turn > cfg.max_turns + 1:  # max_turns that may search, then the answer-only one
-            s.finish = s.finish or "max_turns"
-        elif room < 8:
-            s.finish = "length"
-        else:
-            # stable per-rollout seeds (not Python's salted hash): a resumed run samples the same
-            key = zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}".encode())
-            return [Request(i, s.prompt_ids + s.response_ids, min(cfg.max_tokens_per_turn, room), key, proto.stop)]
-        return []
-
     def on_done(done: list[tuple[Request, Completion]]) -> list[Request]:
         """Finished generations -> their tool calls, run in one batched call -> the next requests."""
         pending: list[tuple[int, dict]] = []
@@ -249,10 +235,10 @@ def rollout_batch(
             results = _run_tools(tools, [act for _, act in pending])  # one batched call per tool
             for (i, act), res in zip(pending, results):
                 _append_observation(states[i], act, res, tokenizer, proto, tools, wrap, cfg)
-                follow += next_turn(i)
+                follow += _next_turn(states, i, cfg, proto, seed)
         return follow
 
-    first = [r for i in range(len(states)) for r in next_turn(i)]
+    first = [r for i in range(len(states)) for r in _next_turn(states, i, cfg, proto, seed)]
     sampling = {"temperature": 0.0 if greedy else cfg.temperature, "top_p": 1.0 if greedy else cfg.top_p}
     if cfg.continuous and hasattr(engine, "run_continuous"):
         engine.run_continuous(first, on_done, **sampling)
@@ -261,6 +247,21 @@ def rollout_batch(
     for s in states:
         s.finish = s.finish or "max_turns"
     return [_record(s, tokenizer, proto) for s in states]
+
+
+def _next_turn(states: list[_State], i: int, cfg: RolloutConfig, proto: Protocol, seed: int) -> list[Request]:
+    """The request for state i's next turn, or none when it has no turn or room left."""
+    s, turn = states[i], states[i].turns + 1
+    room = cfg.max_model_len - len(s.prompt_ids) - len(s.response_ids)
+    if turn > cfg.max_turns + 1:  # max_turns that may search, then the answer-only one
+        s.finish = s.finish or "max_turns"
+    elif room < 8:
+        s.finish = "length"
+    else:
+        # stable per-rollout seeds (not Python's salted hash): a resumed run samples the same
+        key = zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}".encode())
+        return [Request(i, s.prompt_ids + s.response_ids, min(cfg.max_tokens_per_turn, room), key, proto.stop)]
+    return []
 
 
 def run_in_turns(engine, requests: list[Request], on_done, temperature: float, top_p: float) -> None:

@@ -79,11 +79,12 @@ import torch
 from tqdm import tqdm
 
 from agent.answers import parsed
+from agent.bapo import BapoState, bapo_resample_groups
 from agent.judge import make_judge
 from data import check_prompt_lengths, data_paths, ensure_policy
 from eval import rollout_mode, summarize
 from report.metrics import batch_metrics, paper_metrics
-from rewards import BapoState, bapo_resample_groups, check_reward, score
+from rewards import check_reward, score
 from rollout import check_chat_template, rollout_batch
 from search.client import RetrieverError
 from search.tools import check_retriever, make_search_fn
@@ -154,7 +155,7 @@ def resample_marked_groups(records: list[dict], questions: list[dict], roll_out,
     the model outputs IDK or provides a correct answer", in the plateau stage (train.resample_stage;
     "always": both stages). The new rollouts join their group (train.resample_mode "enlarge":
     App. B.2's larger effective group, G up to G (k + 1)) or replace it ("replace"). Marked:
-    rewards.bapo_resample_groups with the reward's own parameters, so "correct" is judged as the
+    agent/bapo.bapo_resample_groups with the reward's own parameters, so "correct" is judged as the
     reward judges it. `roll_out(questions, seed)` rolls out G rollouts per question.
     Returns (records, number of groups rolled out again)."""
     if cfg.train.resample_stage == "plateau" and stage != "plateau":
@@ -387,17 +388,23 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         engine_gib=engine_gib,
     )  # fmt: skip
     if resume_from is not None:
-        state = load_trainer_state(resume_from, run, optimizer, rank, world)
-        if critic_opt is not None:
-            critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{rank}.pt"))
-        p.step0, p.order = state["step"], state["order"]
-        p.rng.setstate(state["data_rng"])
-        restore_constraints(constraints, state["constraints"])
-        if p.bapo is not None:
-            p.bapo.__dict__.update(state["bapo"])
-        print(f"resumed from {resume_from} at step {p.step0}", flush=True)
+        resume_state(p, resume_from)
     p.trackers = open_trackers(cfg, run, resumed=resume_from is not None) if rank == 0 else []
     return p
+
+
+def resume_state(p: RunParts, resume_from: Path) -> None:
+    """setup's last part when resuming: the checkpoint's optimizers, step, data order and RNG,
+    Lagrange multipliers and BAPO stage, into the freshly built parts."""
+    state = load_trainer_state(resume_from, p.run, p.optimizer, p.rank, p.world)
+    if p.critic_opt is not None:
+        p.critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{p.rank}.pt"))
+    p.step0, p.order = state["step"], state["order"]
+    p.rng.setstate(state["data_rng"])
+    restore_constraints(p.constraints, state["constraints"])
+    if p.bapo is not None:
+        p.bapo.__dict__.update(state["bapo"])
+    print(f"resumed from {resume_from} at step {p.step0}", flush=True)
 
 
 def sharded_policy_and_reference(cfg: Config, policy_dir: Path, ref_dir: Path | None, rank: int,

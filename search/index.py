@@ -372,7 +372,7 @@ def load_index(
 
     faiss opens the index with IO_FLAG_MMAP_IFC: Flat and HNSW codes (and HNSW's graph) stay in the
     file's pages. IO_FLAG_MMAP, used before, only maps IVF lists: faiss 1.15.1 read a Flat or HNSW
-    index into private memory with it (tests/test_retriever.py measures both).
+    index into private memory with it (tests/test_retriever_import.py measures both).
     """
     if bm25_backend not in BM25_BACKENDS:
         raise ConfigError(f"bm25_backend must be one of {BM25_BACKENDS}, got {bm25_backend!r}")

@@ -145,19 +145,40 @@ def next_batch(pending: list[tuple], max_queries: int) -> list[tuple]:
 
 
 def create_app(index, limits: Limits):
-    """The FastAPI app over a loaded `retriever.Index`."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
+    """The FastAPI app over a loaded `retriever.Index`: the error replies, /retrieve (batched,
+    add_retrieve), /search, /read and /health (add_lookups), sharing one dict of counters."""
+    from fastapi import FastAPI
 
     app = FastAPI(title="search-agent retriever")
     stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0, "answered": 0, "write_timeouts": 0}
-    queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request, return_scores)
-    worker: list[asyncio.Task] = []
-    # Replies are built in threads (GIL-bound JSON): big ones two at a time, so the event loop and the
-    # small ones, in threads of their own, are never queued behind them. A request waits for its
-    # slot here, not in a pool's queue, so a client gone meanwhile is seen before its passages are read.
-    pools = {size: (asyncio.Semaphore(2), ThreadPoolExecutor(2, thread_name_prefix=f"{size}-replies"))
-             for size in ("big", "small")}  # fmt: skip
+    add_error_replies(app)
+    add_retrieve(app, index, limits, stats)
+    add_lookups(app, index, limits, stats)
+    return app
+
+
+def add_error_replies(app) -> None:
+    """A BadRequest is its 4xx, a corpus changed under the server a 503, anything else a 500."""
+    from fastapi.responses import JSONResponse
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_, e: BadRequest):
+        # after a 408 the rest of the body may still come: close rather than parse it as a request
+        headers = {"Connection": "close"} if e.status == 408 else None
+        return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
+
+    @app.exception_handler(CorpusChanged)
+    async def corpus_changed(_, e: CorpusChanged):
+        return JSONResponse({"error": str(e)}, status_code=503)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):
+        return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+
+
+def timed_reply_type() -> type:
+    """TimedReply, a FastAPI Response (imported here, when a server is built)."""
+    from fastapi.responses import Response
 
     class TimedReply(Response):
         """The reply in WRITE_PIECE pieces, each sent within `timeout` s (the client reading the one
@@ -181,104 +202,115 @@ def create_app(index, limits: Limits):
                     self.stats["write_timeouts"] += 1
                     return
 
-    def reply_body(rows: list[list[tuple[int, float]]], topk: int, with_scores: bool) -> bytes:
-        """One request's /retrieve reply, JSON bytes: its passages read for its own topk, each
-        hit list dumped on its own. Run in a thread: returning the dict made FastAPI encode it
-        on the event loop (jsonable_encoder, 1.9 s for 512 queries x 100 passages, then 0.4 s of
-        json.dumps), and /health waited behind it; and one json.dumps of the whole reply would
-        hold the GIL as long, where one per hit list lets the loop in between."""
-        lists = []
-        for hits in rows:
-            docs = [get_passage(index.corpus, row) for row, _ in hits[:topk]]
-            items = [{"document": d, "score": score} for d, (_, score) in zip(docs, hits)] if with_scores else docs
-            lists.append(json.dumps(items, ensure_ascii=False, allow_nan=False, separators=(",", ":")))
-        return ('{"result":[' + ",".join(lists) + "]}").encode()
+    return TimedReply
 
-    async def gone(entry: tuple) -> bool:
-        """Has this request's client disconnected? Then its future gets None and no more work."""
-        if not await entry[3].is_disconnected():
-            return False
-        stats["dropped"] += 1
-        if not entry[2].done():
-            entry[2].set_result(None)
-        return True
 
-    async def drain():
-        # Work of clients that have gone is skipped: 30 aborted requests of 512 queries x topk
-        # 100 once held /retrieve for 20 s of searches nobody would read. A batch is one index
-        # call (at its largest topk, next_batch: small requests first); each request then reads
-        # its own passages for its own topk, in its handler, so the next search need not wait.
-        pending: list[tuple] = []
-        while True:
-            if not pending:
-                pending.append(await queue.get())
-            while not queue.empty():
-                pending.append(queue.get_nowait())
-            pending = [entry for entry in pending if not await gone(entry)]
-            if not pending:
-                continue
-            batch = next_batch(pending, limits.max_queries)
-            queries = [q for b in batch for q in b[0]]
-            try:
-                rows = await asyncio.to_thread(search_rows, index, queries, max(b[1] for b in batch))
-                stats["batches"] += 1
-                stats["queries"] += len(queries)
-                at = 0
-                for entry in batch:
-                    mine, at = rows[at : at + len(entry[0])], at + len(entry[0])
-                    if not entry[2].done():
-                        entry[2].set_result(mine)
-            except Exception as e:  # noqa: BLE001 - answered as a 500 to every request still waiting
-                for b in batch:
-                    if not b[2].done():
-                        b[2].set_exception(await said(e))
+def reply_body(index, rows: list[list[tuple[int, float]]], topk: int, with_scores: bool) -> bytes:
+    """One request's /retrieve reply, JSON bytes: its passages read for its own topk, each
+    hit list dumped on its own. Run in a thread: returning the dict made FastAPI encode it
+    on the event loop (jsonable_encoder, 1.9 s for 512 queries x 100 passages, then 0.4 s of
+    json.dumps), and /health waited behind it; and one json.dumps of the whole reply would
+    hold the GIL as long, where one per hit list lets the loop in between."""
+    lists = []
+    for hits in rows:
+        docs = [get_passage(index.corpus, row) for row, _ in hits[:topk]]
+        items = [{"document": d, "score": score} for d, (_, score) in zip(docs, hits)] if with_scores else docs
+        lists.append(json.dumps(items, ensure_ascii=False, allow_nan=False, separators=(",", ":")))
+    return ('{"result":[' + ",".join(lists) + "]}").encode()
 
-    async def said(e: Exception) -> Exception:
-        """A corpus rewritten under the server fails its passage reads: say that (a 503), not the error."""
-        why = index.guard and await asyncio.to_thread(index.guard.reason)
-        return CorpusChanged(why) if why else e
 
-    async def read_body(request: Request) -> dict:
-        # An oversized body is read to the end and dropped (up to DRAIN_BYTES) so the client gets
-        # the 413 instead of a connection reset; it is never held in memory. A body that has not
-        # arrived within body_timeout s is a 408: a slow client cannot hold a connection forever.
-        body, size = bytearray(), 0
+async def gone(entry: tuple, stats: dict) -> bool:
+    """Has this request's client disconnected? Then its future gets None and no more work."""
+    if not await entry[3].is_disconnected():
+        return False
+    stats["dropped"] += 1
+    if not entry[2].done():
+        entry[2].set_result(None)
+    return True
+
+
+async def drain(index, limits: Limits, queue: asyncio.Queue, stats: dict) -> None:
+    """The one worker task of /retrieve: searches the queued requests' queries batch by batch."""
+    # Work of clients that have gone is skipped: 30 aborted requests of 512 queries x topk
+    # 100 once held /retrieve for 20 s of searches nobody would read. A batch is one index
+    # call (at its largest topk, next_batch: small requests first); each request then reads
+    # its own passages for its own topk, in its handler, so the next search need not wait.
+    pending: list[tuple] = []
+    while True:
+        if not pending:
+            pending.append(await queue.get())
+        while not queue.empty():
+            pending.append(queue.get_nowait())
+        pending = [entry for entry in pending if not await gone(entry, stats)]
+        if not pending:
+            continue
+        batch = next_batch(pending, limits.max_queries)
+        queries = [q for b in batch for q in b[0]]
         try:
-            async with asyncio.timeout(limits.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size <= limits.max_body_bytes:
-                        body += chunk
-                    elif size > DRAIN_BYTES:
-                        break
-        except TimeoutError:
-            raise BadRequest(408, f"request body not received within {limits.body_timeout:g} s") from None
-        if size > limits.max_body_bytes:
-            raise BadRequest(
-                413, f"request body over {limits.max_body_bytes} bytes; the limit is {limits.max_body_bytes}"
-            )
-        return parse_json_body(bytes(body))
+            rows = await asyncio.to_thread(search_rows, index, queries, max(b[1] for b in batch))
+            stats["batches"] += 1
+            stats["queries"] += len(queries)
+            at = 0
+            for entry in batch:
+                mine, at = rows[at : at + len(entry[0])], at + len(entry[0])
+                if not entry[2].done():
+                    entry[2].set_result(mine)
+        except Exception as e:  # noqa: BLE001 - answered as a 500 to every request still waiting
+            for b in batch:
+                if not b[2].done():
+                    b[2].set_exception(await said(index, e))
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(_, e: BadRequest):
-        # after a 408 the rest of the body may still come: close rather than parse it as a request
-        headers = {"Connection": "close"} if e.status == 408 else None
-        return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
 
-    @app.exception_handler(CorpusChanged)
-    async def corpus_changed(_, e: CorpusChanged):
-        return JSONResponse({"error": str(e)}, status_code=503)
+async def said(index, e: Exception) -> Exception:
+    """A corpus rewritten under the server fails its passage reads: say that (a 503), not the error."""
+    why = index.guard and await asyncio.to_thread(index.guard.reason)
+    return CorpusChanged(why) if why else e
 
-    @app.exception_handler(Exception)
-    async def server_error(_, e: Exception):
-        return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+
+async def read_body(request, limits: Limits) -> dict:
+    """The request's JSON body, within the limits (BadRequest otherwise)."""
+    # An oversized body is read to the end and dropped (up to DRAIN_BYTES) so the client gets
+    # the 413 instead of a connection reset; it is never held in memory. A body that has not
+    # arrived within body_timeout s is a 408: a slow client cannot hold a connection forever.
+    body, size = bytearray(), 0
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= limits.max_body_bytes:
+                    body += chunk
+                elif size > DRAIN_BYTES:
+                    break
+    except TimeoutError:
+        raise BadRequest(408, f"request body not received within {limits.body_timeout:g} s") from None
+    if size > limits.max_body_bytes:
+        raise BadRequest(
+            413, f"request body over {limits.max_body_bytes} bytes; the limit is {limits.max_body_bytes}"
+        )
+    return parse_json_body(bytes(body))
+
+
+def add_retrieve(app, index, limits: Limits, stats: dict) -> None:
+    """POST /retrieve: each request's queries join the queue one worker task (drain) searches in
+    batches; its passages are then read and its reply written in a thread (reply_body)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    TimedReply = timed_reply_type()
+    queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request, return_scores)
+    worker: list[asyncio.Task] = []
+    # Replies are built in threads (GIL-bound JSON): big ones two at a time, so the event loop and the
+    # small ones, in threads of their own, are never queued behind them. A request waits for its
+    # slot here, not in a pool's queue, so a client gone meanwhile is seen before its passages are read.
+    pools = {size: (asyncio.Semaphore(2), ThreadPoolExecutor(2, thread_name_prefix=f"{size}-replies"))
+             for size in ("big", "small")}  # fmt: skip
 
     @app.post("/retrieve")
     async def retrieve(request: Request):
-        queries, topk, with_scores = parse_retrieve(await read_body(request), limits)
+        queries, topk, with_scores = parse_retrieve(await read_body(request, limits), limits)
         stats["requests"] += 1
         if not worker:
-            worker.append(asyncio.create_task(drain()))
+            worker.append(asyncio.create_task(drain(index, limits, queue, stats)))
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         await queue.put((queries, topk, fut, request, with_scores))
@@ -289,15 +321,21 @@ def create_app(index, limits: Limits):
                 stats["dropped"] += rows is not None
                 return JSONResponse({"error": "client disconnected"}, status_code=499)
             try:
-                body = await loop.run_in_executor(pool, reply_body, rows, topk, with_scores)
+                body = await loop.run_in_executor(pool, reply_body, index, rows, topk, with_scores)
             except Exception as e:  # noqa: BLE001 - the exception handlers answer it
-                raise await said(e) from None
+                raise await said(index, e) from None
         stats["answered"] += 1
         return TimedReply(body, limits.write_timeout, stats)
 
+
+def add_lookups(app, index, limits: Limits, stats: dict) -> None:
+    """POST /search (web_search, operators), POST /read (one source) and GET /health."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
     @app.post("/search")
     async def web(request: Request):
-        data = await read_body(request)
+        data = await read_body(request, limits)
         query, topk = check_query(data.get("query"), limits), check_topk(data.get("topk", 5), limits)
         if await request.is_disconnected():
             return JSONResponse({"error": "client disconnected"}, status_code=499)
@@ -305,7 +343,7 @@ def create_app(index, limits: Limits):
 
     @app.post("/read")
     async def read_doc(request: Request):
-        data = await read_body(request)
+        data = await read_body(request, limits)
         key = check_query(data.get("id"), limits, "id")
         budget = data.get("max_tokens", 512)
         if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= 100_000:
@@ -318,8 +356,6 @@ def create_app(index, limits: Limits):
         status = {"status": "corpus changed", "reason": why} if why else {"status": "ok"}
         return JSONResponse(status | {"n_docs": len(index.corpus), "method": index.meta["method"], **stats},
                             status_code=503 if why else 200)  # fmt: skip
-
-    return app
 
 
 def header_timeout_protocol(header_timeout: float) -> type:

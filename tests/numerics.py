@@ -1,8 +1,9 @@
 """Floating-point bounds for the tests: named tolerances, each derived from what it allows for, and
-the two checks that use them.
+the checks that use them.
 
     assert_close(actual, expected, rtol=..., atol=..., what="...")   # |a - b| <= atol + rtol |b|
     assert_equal_bits(actual, expected, what="...")                   # bit-equal, where the code says so
+    assert_stats_close(a, b, lp, vocab, what)   # a training step's statistics, logprobs lp apart
 
 Every relative bound has an absolute floor: two numbers that are 0 up to rounding (a KL of a
 policy against itself, a whitened mean) have no meaningful relative error. Derive a bound from its
@@ -156,3 +157,28 @@ def _equal(a, b) -> bool:
 def _max_err(a, b) -> float:
     x, y = _as_array(a), _as_array(b)
     return float(np.max(np.abs(x - y))) if x.shape == y.shape and x.size else math.inf
+
+
+def assert_stats_close(a: dict, b: dict, lp: float, vocab: int, what: str, a_max=1.5, rho_w=2.5) -> None:
+    """A step's statistics from 2 runs whose per-token logprobs differ by up to `lp` (another
+    batch shape) and whose float64 token sums come in another order (negligible: ~1e-16).
+    - loss: token-weighted terms -A rho w, |A| <= a_max (1.5 in groups of 4 with 0/1 rewards),
+      rho w <= rho_w (2.5 for the fake records' noisy engine logprobs; 1.2, the clip, on policy);
+      rho and w each move relatively by <= 2 lp (a new and an old logprob): <= a_max rho_w 4 lp.
+      The KL and entropy terms, scaled by their small coefficients, stay within that;
+    - grad_norm: per-token gradient terms move relatively like the loss's (rho, w, and the
+      softmax's p by lp): 4 lp, and the 2 processes' partial sums add once more (EPS32);
+    - kl = mean k3(d), d = logp - ref: d moves by <= 2 lp, k3' = 1 - e^-d <= |d| with
+      mean|d| <= sqrt(2 kl); and fp32 k3 = exp(-d) + d - 1 cancels terms of size 1 (3 roundings);
+    - entropy H = -sum p log p: logprobs moved by eps_j move it by sum p_j eps_j (log p_j + 1), at
+      most lp (H + 1); its own fp32 sum of V positive terms in another order adds sum_rtol(V) H;
+    - clip_frac: a ratio within 2 lp of a clip edge may fall either side: one token, 1/n."""
+    n = a["policy_tokens"]
+    assert a["policy_tokens"] == b["policy_tokens"], what  # a count
+    assert_close(a["loss"], b["loss"], rtol=0, atol=a_max * rho_w * 4 * lp, what=f"{what}: loss")
+    assert_close(a["grad_norm"], b["grad_norm"], rtol=4 * lp + EPS32, atol=EPS32, what=f"{what}: grad_norm")
+    kl_atol = 2 * lp * math.sqrt(2 * max(a["kl"], b["kl"], 0.0)) + ops_rtol(3)
+    assert_close(a["kl"], b["kl"], rtol=0, atol=kl_atol, what=f"{what}: kl")
+    assert_close(a["entropy"], b["entropy"], rtol=lp + sum_rtol(vocab), atol=lp, what=f"{what}: entropy")
+    if "clip_frac" in a:
+        assert_close(a["clip_frac"], b["clip_frac"], rtol=0, atol=1 / n, what=f"{what}: clip_frac")

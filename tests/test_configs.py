@@ -79,7 +79,7 @@ def test_bapo_configs():
     assert (t.reward, t.lr, t.warmup_frac, t.questions_per_step, t.group_size) == ("bapo", 1e-6, 0.0, 64, 8)
     assert (t.epochs, t.mini_batches, t.clip_eps, t.kl_coef) == (2, 4, 0.1, 0.001)
     assert (t.resample_groups, t.bapo_patience, t.reward_params["alpha"]) == (2, 5, 0.05)
-    # eq. 5's group test is EM while R_correct is char-F1 (rewards.bapo_solved); the paper's resampling
+    # eq. 5's group test is EM while R_correct is char-F1 (agent/bapo.bapo_solved); the paper's resampling
     assert (t.reward_params["correct"], t.reward_params["f1_unit"]) == ("em", "char")
     assert (t.resample_stage, t.resample_mode) == ("plateau", "enlarge")
     assert (cfg.retriever.topk, cfg.rollout.max_model_len, cfg.rollout.max_turns) == (5, 8192, 3)

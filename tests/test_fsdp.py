@@ -7,6 +7,9 @@ A tiny Qwen2 (tied embeddings, like the tiny world's policy) and a fixed batch
 of fake rollouts of varied lengths: a small micro_batch_tokens gives each process several
 micro-batches, and a different number on each (train.py pads with zero-weight repeats).
 One launch runs every case (each process spends ~9 s CPU importing torch and transformers).
+Last, the README's several-machine check: a PPO run with vLLM launched as 2 machines on loopback
+equals a 1-process run. train.py under a 2-process launch against 1 process, and every rank's
+engine after an in-memory sync: test_fsdp_runs.py.
 
     .venv/bin/python -m pytest -q -s tests/test_fsdp.py      # -s prints the run times
 """
@@ -34,6 +37,7 @@ from numerics import (  # noqa: E402
     EPS64,
     assert_close,
     assert_equal_bits,
+    assert_stats_close,
     logprob_atol,
     model_vocab,
     ops_rtol,
@@ -159,31 +163,6 @@ def runs(tmp_path_factory):
         assert proc.returncode == 0, log[-6000:]
     print(f"\nworld-1 run and 2-process FSDP launch together: {time.time() - t0:.1f} s")
     return tmp / "single", tmp / "fsdp", tmp / "model"
-
-
-def assert_stats_close(a: dict, b: dict, lp: float, vocab: int, what: str, a_max=1.5, rho_w=2.5) -> None:
-    """A step's statistics from 2 runs whose per-token logprobs differ by up to `lp` (another
-    batch shape) and whose float64 token sums come in another order (negligible: ~1e-16).
-    - loss: token-weighted terms -A rho w, |A| <= a_max (1.5 in groups of 4 with 0/1 rewards),
-      rho w <= rho_w (2.5 for the fake records' noisy engine logprobs; 1.2, the clip, on policy);
-      rho and w each move relatively by <= 2 lp (a new and an old logprob): <= a_max rho_w 4 lp.
-      The KL and entropy terms, scaled by their small coefficients, stay within that;
-    - grad_norm: per-token gradient terms move relatively like the loss's (rho, w, and the
-      softmax's p by lp): 4 lp, and the 2 processes' partial sums add once more (EPS32);
-    - kl = mean k3(d), d = logp - ref: d moves by <= 2 lp, k3' = 1 - e^-d <= |d| with
-      mean|d| <= sqrt(2 kl); and fp32 k3 = exp(-d) + d - 1 cancels terms of size 1 (3 roundings);
-    - entropy H = -sum p log p: logprobs moved by eps_j move it by sum p_j eps_j (log p_j + 1), at
-      most lp (H + 1); its own fp32 sum of V positive terms in another order adds sum_rtol(V) H;
-    - clip_frac: a ratio within 2 lp of a clip edge may fall either side: one token, 1/n."""
-    n = a["policy_tokens"]
-    assert a["policy_tokens"] == b["policy_tokens"], what  # a count
-    assert_close(a["loss"], b["loss"], rtol=0, atol=a_max * rho_w * 4 * lp, what=f"{what}: loss")
-    assert_close(a["grad_norm"], b["grad_norm"], rtol=4 * lp + EPS32, atol=EPS32, what=f"{what}: grad_norm")
-    kl_atol = 2 * lp * math.sqrt(2 * max(a["kl"], b["kl"], 0.0)) + ops_rtol(3)
-    assert_close(a["kl"], b["kl"], rtol=0, atol=kl_atol, what=f"{what}: kl")
-    assert_close(a["entropy"], b["entropy"], rtol=lp + sum_rtol(vocab), atol=lp, what=f"{what}: entropy")
-    if "clip_frac" in a:
-        assert_close(a["clip_frac"], b["clip_frac"], rtol=0, atol=1 / n, what=f"{what}: clip_frac")
 
 
 @pytest.mark.numeric
@@ -333,58 +312,6 @@ def test_sharded_critic_runs_under_bf16_and_offload(runs):
     assert math.isfinite(stats["value_loss"]) and stats["critic_grad_norm"] > 0
 
 
-def launch_two() -> list[str]:
-    """train.py under a 2-process `accelerate launch` (CPU processes, gloo) on a free port."""
-    from conftest import free_port
-
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(free_port()), "train.py"]  # fmt: skip
-
-
-@pytest.mark.slow
-@pytest.mark.numeric
-def test_two_process_training_run_matches_one_process_and_is_not_resumed_by_one(micro, tmp_path):
-    """train.py itself under a 2-process launch (each rank rolls out half the questions with its
-    own transformers engine, whose per-request seeds sample what one engine does; both ranks
-    update; full weights gathered tensor by tensor into each engine): steps 1-2 match a 1-process
-    run (assert_stats_close: logprobs of other batch shapes), and the sharded checkpoint does not
-    resume under 1 process (a clear error). It resumes under 2 in the loopback test below and in
-    test_dress_rehearsal.py."""
-    from conftest import ROOT, run_script, write_micro_config
-
-    cfgs = {}
-    for name, fsdp in (("one", False), ("two", True)):
-        cfgs[name] = write_micro_config(
-            tmp_path / f"{name}.yaml", micro[1].world.cache_dir, rollout={"engine": "hf"},
-            train={"steps": 2, "eval_every": 0, "save_every": 1, "threads": 1, "kl_coef": 0.01, "fsdp": fsdp,
-                   "run_dir": str(tmp_path / name), "name": name, "seed": 3},
-        )  # fmt: skip  # seed 3: both steps' batches hold mixed groups (seed 0's first batch has reward 0)
-
-    one = run_script(["train.py", "--config", str(cfgs["one"])], timeout=600)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run(launch_two() + ["--config", str(cfgs["two"])], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
-    assert two.returncode == 0, two.stderr[-3000:]
-    rows = {}
-    for name in cfgs:
-        run = next((tmp_path / name).glob(f"{name}-*"))
-        rows[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows["two"]] == [1, 2]
-    assert all(r["grad_norm"] > 0.05 for r in rows["one"])  # a real update to compare, not a zero gradient
-    for a, b in zip(rows["one"], rows["two"]):
-        assert a["reward"] == b["reward"] and a["policy_tokens"] == b["policy_tokens"]  # same rollouts
-        # step 1's KL is 0 up to rounding on both sides (the policy is the reference): its floor
-        vocab = model_vocab(micro[2])  # on policy, no IS weight: rho w <= 1.2
-        assert_stats_close(b, a, logprob_atol(vocab), vocab, f"step {a['step']}", rho_w=1.2)
-    assert rows["two"][1]["kl"] > 0  # step 2 moved off the reference: the update and sync happened
-    run = next((tmp_path / "two").glob("two-*"))
-    ckpt = run / "checkpoints" / "step_2"
-    assert {"model.safetensors", "optimizer.rank0.pt", "optimizer.rank1.pt"} <= {p.name for p in ckpt.iterdir()}
-    single = run_script(["train.py", "--resume", str(run), "--set", "train.steps=3"])
-    assert single.returncode != 0 and "written by 2 processes" in single.stderr and "Traceback" not in single.stderr
-
-
 def launch_machines(args: list[str], logs: Path, machines: int = 2) -> list[subprocess.Popen]:
     """train.py as `machines` machines of one process each, all on 127.0.0.1: what the README's
     several-node command runs on each host (`--num_machines N --machine_rank R --main_process_ip
@@ -426,7 +353,6 @@ def test_two_machines_on_loopback_with_vllm_match_one_process(micro, tmp_path):
     logprobs of steps 2-3 then differ by up to 4.5e-6 and this test fails. Where they do not, the
     updates differ as a pi_old moved by logprob_atol moves them."""
     from conftest import ROOT, write_micro_config
-    from safetensors.torch import load_file
 
     cfgs = {}
     for name, fsdp in (("one", False), ("two", True)):
@@ -466,7 +392,16 @@ def test_two_machines_on_loopback_with_vllm_match_one_process(micro, tmp_path):
             assert_close(b["logprobs"], a["logprobs"], rtol=0, atol=lp, what=f"step {step} engine logprobs")
             same_logprobs &= a["logprobs"] == b["logprobs"]
             assert a["reward"] == b["reward"], step
-    start = load_file(str(micro[2] / "model.safetensors"))
+    assert_same_updates(runs, rows, micro[2], same_logprobs, lp, vocab)
+
+
+def assert_same_updates(runs: dict, rows: dict, start_dir, same_logprobs: bool, lp: float, vocab: int) -> None:
+    """The loopback test's runs ("one", "two") after step 3: the logged statistics, the policy's
+    and the critic's weights; bit-equal where the engines' logprobs were, else within what a pi_old
+    moved by `lp` allows. And the run moved: the critic learned, the policy took its steps."""
+    from safetensors.torch import load_file
+
+    start = load_file(str(start_dir / "model.safetensors"))
     weights = {n: load_file(str(r / "checkpoints" / "step_3" / "model.safetensors")) for n, r in runs.items()}
     assert weights["one"].keys() <= weights["two"].keys()  # the sharded save also writes the tied lm_head
     two = {key: weights["two"][key] for key in weights["one"]}
@@ -503,24 +438,3 @@ def test_two_machines_on_loopback_with_vllm_match_one_process(micro, tmp_path):
     assert rows["two"][2]["value_mean"] != 0  # the critic learned (zero-init head) and was restored
     moved = max((w - start[key]).abs().max().item() for key, w in weights["one"].items())
     assert moved > 0  # the policy took its steps: the weights comparison is not vacuous
-
-
-@pytest.mark.slow
-@pytest.mark.numeric
-def test_every_rank_engine_matches_the_trainer_after_an_in_memory_sync(micro, tmp_path):
-    """2 processes sharing one vLLM engine of tensor parallel size 2 (vLLM's external_launcher;
-    tests/engine_sync.py also runs tp 1, an engine per rank): after an FSDP update and the
-    in-memory sync, every rank's engine scores a fixed sequence within logprob_atol of the trainer
-    (fp32, vLLM's kernels vs torch's). Before the sync the same check fails (the engine still has
-    the old weights): the test can fail."""
-    from conftest import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "tests/engine_sync.py", str(micro[0]), str(tmp_path), "2"]  # fmt: skip  # tensor parallel size 2
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lp = logprob_atol(model_vocab(micro[2]))
-    for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["before"] > 1e-2, r  # the update (lr 1e-2) moved the logprobs by far more than rounding
-        assert_close(r["after"], 0.0, rtol=0, atol=lp, what=f"rank {rank}: logprob gap after the sync")

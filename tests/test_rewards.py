@@ -23,11 +23,10 @@ from agent.answers import (
     parse_response,
     parsed,
 )
+from agent.bapo import BapoState, bapo_resample_groups
 from report.metrics import bapo_metrics
 from rewards import (
-    BapoState,
     bapo,
-    bapo_resample_groups,
     compute,
     parse_spec,
     score,

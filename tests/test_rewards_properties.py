@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.answers import parse_response
+from agent.bapo import bapo_resample_groups
 from report.metrics import compute_metrics
-from rewards import RANGES, REWARDS, bapo_resample_groups, compute
+from rewards import RANGES, REWARDS, compute
 
 TAGS = ["<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>",
         "</answer>", "<confidence>", "</confidence>", "<tool_call>", "</tool_call>", "<tool_response>",

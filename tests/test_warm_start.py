@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT, write_micro_config
 from numerics import assert_close, logprob_atol, model_vocab
-from test_protocols import CHAT_TEMPLATE
+from protocol_script import CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,7 @@ import copy
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,8 +234,6 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     n, n_critic = param_count(a), critic_param_count(a)
     b = 2 if cfg.model.dtype in HALF else 4  # bytes per parameter (and per gradient)
     e = 2 if t.bf16 else b  # bytes per activation element, and per gathered parameter (bf16 compute)
-    shards = hw.gpus if t.fsdp else 1
-    by = f"/ {shards}" if t.fsdp else "(no fsdp)"
     T = t.micro_batch_tokens
     rows, gpu, host = [], {}, {}
 
@@ -248,19 +247,7 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
         gpu[key], host[key] = (0.0, nbytes / GB) if on_host else (nbytes / GB, 0.0)
         rows.append((label, gpu[key], host[key] if resident else None, how))
 
-    # Resident through the whole step.
-    opt, opt_critic = optimizer_bytes_per_param(t.optimizer, b), optimizer_bytes_per_param("adamw", b)
-    add("policy_weights", "policy weights", n * b / shards, f"{sci(n)} x {b} B {by}", True)
-    add("policy_grads", "policy gradients", n * b / shards, f"{sci(n)} x {b} B {by}", True)
-    add("policy_optimizer", f"policy optimizer ({t.optimizer})", n * opt / shards, f"{sci(n)} x {opt:.4g} B {by}", True)
-    if t.kl_coef > 0:
-        add("reference_weights", "reference weights", n * b / shards, f"{sci(n)} x {b} B {by}", True)
-    if t.algo == "ppo":
-        how = f"{sci(n_critic)} x ({b} + {b} + {opt_critic:g}) B {by}"
-        add("critic_state", "critic weights + grads + adamw", n_critic * (2 * b + opt_critic) / shards, how, True)
-    ret = retriever_plan(cfg)
-    add("retriever_encoder", "retriever: query encoder", ret["encoder_bytes"], ret["encoder_how"])
-    add("overhead", "cuda context, nccl, fragmentation", OVERHEAD_GB * GB, "our allowance")
+    ret = add_resident(add, cfg, n, n_critic, b)  # resident through the whole step
     for key in ("reference_weights", "critic_state"):  # a model the run does not use weighs nothing
         gpu.setdefault(key, 0.0)
         host.setdefault(key, 0.0)
@@ -291,19 +278,7 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     total = resident + max(policy_ws, gpu["critic_working_set"])
     budget = (1 - hw.vllm_memory_fraction) * hw.gpu_memory_gb
 
-    # vLLM: one engine per GPU (per tensor-parallel group of tp GPUs, each holding 1/tp of the
-    # weights and of each token's KV); the rest of its share is KV cache.
-    tp = cfg.rollout.tensor_parallel_size
-    kv_per_token = 2 * a.layers * a.kv_heads * a.head_dim * b / tp
-    vllm = {"weights": n * b / tp / GB, "budget": hw.vllm_memory_fraction * hw.gpu_memory_gb, "tp": tp}
-    vllm["kv_cache"] = vllm["budget"] - vllm["weights"]
-    vllm["kv_bytes_per_token"] = kv_per_token
-    vllm["kv_tokens"] = max(0, int(vllm["kv_cache"] * GB // kv_per_token))
-    engines = max(1, hw.gpus // tp)
-    vllm["engines"] = engines
-    vllm["rollout_tokens"] = math.ceil(t.questions_per_step * t.group_size * cfg.rollout.max_model_len / engines)
-    vllm["waves"] = vllm["rollout_tokens"] / vllm["kv_tokens"] if vllm["kv_tokens"] else math.inf
-
+    vllm = vllm_plan(cfg, a, n, b)
     plan = {
         "model": {"name": a.name, "source": a.source, "params": n, "critic_params": n_critic, "arch": a},
         "rows": rows,
@@ -324,6 +299,46 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     plan["fits"] = plan["train_fits"] and plan["vllm_fits"]
     plan["advice"] = advice(cfg, plan) if with_advice else []
     return plan
+
+
+def add_resident(add: Callable, cfg: Config, n: int, n_critic: int, b: int) -> dict:
+    """memory_plan's rows resident through the whole step, each through `add`: the policy's weights,
+    gradients and optimizer, the reference and the critic when the run has them, the retriever's
+    query encoder and our overhead allowance. Returns the retriever's plan (retriever_plan)."""
+    t, hw = cfg.train, cfg.hardware
+    shards = hw.gpus if t.fsdp else 1
+    by = f"/ {shards}" if t.fsdp else "(no fsdp)"
+    opt, opt_critic = optimizer_bytes_per_param(t.optimizer, b), optimizer_bytes_per_param("adamw", b)
+    add("policy_weights", "policy weights", n * b / shards, f"{sci(n)} x {b} B {by}", True)
+    add("policy_grads", "policy gradients", n * b / shards, f"{sci(n)} x {b} B {by}", True)
+    add("policy_optimizer", f"policy optimizer ({t.optimizer})", n * opt / shards, f"{sci(n)} x {opt:.4g} B {by}", True)
+    if t.kl_coef > 0:
+        add("reference_weights", "reference weights", n * b / shards, f"{sci(n)} x {b} B {by}", True)
+    if t.algo == "ppo":
+        how = f"{sci(n_critic)} x ({b} + {b} + {opt_critic:g}) B {by}"
+        add("critic_state", "critic weights + grads + adamw", n_critic * (2 * b + opt_critic) / shards, how, True)
+    ret = retriever_plan(cfg)
+    add("retriever_encoder", "retriever: query encoder", ret["encoder_bytes"], ret["encoder_how"])
+    add("overhead", "cuda context, nccl, fragmentation", OVERHEAD_GB * GB, "our allowance")
+    return ret
+
+
+def vllm_plan(cfg: Config, a: Arch, n: int, b: int) -> dict:
+    """vLLM: one engine per GPU (per tensor-parallel group of tp GPUs, each holding 1/tp of the
+    weights and of each token's KV); the rest of its share is KV cache, in GB and in tokens, and
+    how many waves of KV a step's rollouts fill."""
+    t, hw = cfg.train, cfg.hardware
+    tp = cfg.rollout.tensor_parallel_size
+    kv_per_token = 2 * a.layers * a.kv_heads * a.head_dim * b / tp
+    vllm = {"weights": n * b / tp / GB, "budget": hw.vllm_memory_fraction * hw.gpu_memory_gb, "tp": tp}
+    vllm["kv_cache"] = vllm["budget"] - vllm["weights"]
+    vllm["kv_bytes_per_token"] = kv_per_token
+    vllm["kv_tokens"] = max(0, int(vllm["kv_cache"] * GB // kv_per_token))
+    engines = max(1, hw.gpus // tp)
+    vllm["engines"] = engines
+    vllm["rollout_tokens"] = math.ceil(t.questions_per_step * t.group_size * cfg.rollout.max_model_len / engines)
+    vllm["waves"] = vllm["rollout_tokens"] / vllm["kv_tokens"] if vllm["kv_tokens"] else math.inf
+    return vllm
 
 
 def advice(cfg: Config, plan: dict) -> list[str]:
