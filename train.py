@@ -13,7 +13,8 @@ update_stage with grpo_step / ppo_update / rft_step, sync_stage, then run_eval a
                the corpus mid-thought; records keep token ids, loss mask and sampling logprobs
   2. reward    r_i = EM(answer_i, golden) (Search-R1 §3.4), or any `train.reward` of rewards.py
   3. advantage A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (GRPO, docs/design.md §4),
-               the same A_i for every token of rollout i; a group with equal rewards has A = 0
+               the same A_i for every token of rollout i; a group with equal rewards has A = 0;
+               a reward's turn_rewards add lambda T_ik on turn k's tokens (trainer/turns.py)
   4. loss      per policy token t (loss_mask = 1; retrieved tokens never count):
                  rho_t = exp(log pi_theta - log pi_old)          pi_old = the engine's logprobs
                  pg_t  = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A)
@@ -45,8 +46,10 @@ per step, plus eval lines), samples/step_<k>.jsonl (rollout records) and checkpo
 (trainer/checkpoint.py: weights, optimizer, RNG, data order, lambda, ...). `python eval.py curves RUN`
 draws it.
 
-One file on purpose (about 530 lines): the whole step, read top to bottom, is what this file is
-for; the update math is trainer/grpo.py and trainer/ppo.py, everything else is in trainer/.
+The step, read top to bottom, is this file; one GRPO update reads on in trainer/grpo.py (the loss)
+and trainer/batching.py (micro-batches, accumulation). What a run holds and how it is built is
+run_setup.py; which rollouts a step trains on (BAPO's resampling, DAPO's dynamic sampling) is
+sampling.py; the rest is in trainer/.
 """
 
 from __future__ import annotations
@@ -72,28 +75,23 @@ import argparse
 import json
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from agent.answers import parsed
-from agent.bapo import BapoState, bapo_resample_groups
-from agent.judge import make_judge
-from data import check_prompt_lengths, data_paths, ensure_policy
 from eval import rollout_mode, summarize
 from report.metrics import batch_metrics, paper_metrics
-from rewards import check_reward, score
-from rollout import check_chat_template, rollout_batch
+from rewards import check_reward
+from rollout import rollout_batch
+from run_setup import RunParts, setup
+from sampling import fill_varied_groups, resample_marked_groups, score_shared, varied_groups
 from search.client import RetrieverError
-from search.tools import check_retriever, make_search_fn
 from tiny.world import world_key
 from trainer.checkpoint import (
     check_writable,
     latest_checkpoint,
-    load_checkpoint_file,
-    load_trainer_state,
     log,
     new_run_dir,
     save_checkpoint,
@@ -102,28 +100,17 @@ from trainer.checkpoint import (
 )
 from trainer.config import Config, ConfigError, DataError, RunDirError, TrainingFault, config_to_dict, load_config
 from trainer.constraints import dual_update, parse_constraints, reward_params, switch_on
-from trainer.constraints import restore as restore_constraints
 from trainer.constraints import state as constraint_state
 from trainer.constraints import step as constraints_step
 from trainer.distributed import (
-    all_reduce,
     broadcast,
     check_shared_run_dir,
     close,
     full_weights,
     gather_lists,
     init,
-    load_from_rank0,
-    make_optimizer,
     my_share,
-    needs_reference,
-    process_layout,
-    shard,
-    shard_critic,
-    shard_reference,
-    trainer_threads,
 )
-from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engine
 from trainer.faults import (
     Interrupted,
     check_engine_logprobs,
@@ -131,126 +118,19 @@ from trainer.faults import (
     raise_if_interrupted,
     stop_on_signals,
     stopped_answering,
-    wait_for_main,
 )
-from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, memory_savers, rft_select, rft_step
+from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, rft_select, rft_step
 from trainer.judging import check_judge, judge_counts, judge_row
-from trainer.lora import add_lora, load_lora, merged_weights
+from trainer.lora import merged_weights
 from trainer.plan import print_plan
-from trainer.ppo import critic_optimizer, load_critic, ppo_update
+from trainer.ppo import ppo_update
 from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
-from trainer.questions import first_of_each_benchmark, load_questions
 from trainer.rundir import check_resume_config, own_run_dir
-from trainer.tracking import check_report_to, close_trackers, open_trackers, summary_table, track
+from trainer.tracking import check_report_to, close_trackers, slowest, stage_peak_gib, summary_table, track
 from trainer.turns import grpo_turn_advantages, has_turn_rewards
 
 # ---------------------------------------------------------------------------------------------
-# The BAPO loop (resampling, stage) and Reliable RFT.
-
-
-def resample_marked_groups(records: list[dict], questions: list[dict], roll_out, cfg: Config, step: int,
-                           stage: str = "plateau") -> tuple[list[dict], int]:  # fmt: skip
-    """BAPO §4.2: "we dynamically resample groups with no correct rollouts up to k times, until
-    the model outputs IDK or provides a correct answer", in the plateau stage (train.resample_stage;
-    "always": both stages). The new rollouts join their group (train.resample_mode "enlarge":
-    App. B.2's larger effective group, G up to G (k + 1)) or replace it ("replace"). Marked:
-    agent/bapo.bapo_resample_groups with the reward's own parameters, so "correct" is judged as the
-    reward judges it. `roll_out(questions, seed)` rolls out G rollouts per question.
-    Returns (records, number of groups rolled out again)."""
-    if cfg.train.resample_stage == "plateau" and stage != "plateau":
-        return records, 0
-    count = 0
-    for attempt in range(1, cfg.train.resample_groups + 1):
-        marked = set(bapo_resample_groups(records, **cfg.train.reward_params))
-        if not marked:
-            break
-        again = [q for q in questions if cfg.data.name + ":" + str(q["id"]) in marked]
-        fresh = roll_out(again, cfg.train.seed * 100003 + step + 1_000_000 * attempt)
-        if cfg.train.resample_mode == "replace":
-            records = [r for r in records if str(r["group_id"]) not in marked]
-        records = records + fresh
-        count += len(marked)
-    return records, count
-
-
-def score_shared(records: list[dict], spec: str, params: dict, judge, rank: int, world: int) -> None:
-    """rewards.score on every record, each rank scoring the groups of its block (its judge asked
-    for all of their verdicts at once, and a group's rewards are computed where the whole group
-    is); every rank then has every reward, in place."""
-    groups = list(dict.fromkeys(str(r["group_id"]) for r in records))
-    owner = {g: k for k in range(world) for g in my_share(groups, k, world)}
-    mine = [r for r in records if owner[str(r["group_id"])] == rank]
-    if world == 1:
-        score(mine, spec, params, judge)
-        return
-    fault = ""
-    try:
-        score(mine, spec, params, judge)
-    except TrainingFault as e:  # every rank must hear of it, or the others would wait in the gather below
-        fault = f"rank {rank}: {e}"
-    if fault := next(iter(gather_lists([fault] if fault else [], world)), ""):
-        raise TrainingFault(fault)
-    index = {id(r): i for i, r in enumerate(records)}  # every rank holds the same records, in the same order
-    for i, reward, components in gather_lists([(index[id(r)], r["reward"], r["reward_components"]) for r in mine],
-                                              world):  # fmt: skip
-        records[i]["reward"], records[i]["reward_components"] = reward, components
-        records[i].pop("_parsed", None)  # the parse cache (answers.parsed) is rebuilt from the record alone
-
-
-def slowest(seconds: float, world: int) -> float:
-    """A stage's wall time over the processes: the step waits for the slowest rank."""
-    return float(all_reduce(torch.tensor([seconds], dtype=torch.float64), world, "max"))
-
-
-def stage_peak_gib(world: int) -> float:
-    """On a GPU: the most memory torch's allocator held since the last call, in GiB, the largest
-    over the processes; then the count restarts, so each call measures one stage. It counts the
-    trainer's tensors and, in the same process, vLLM's weights and KV cache (RunParts.engine_gib
-    is their share at start). 0.0 on a CPU."""
-    if not torch.cuda.is_available():
-        return 0.0
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.reset_peak_memory_stats()
-    return float(all_reduce(torch.tensor([peak], dtype=torch.float64), world, "max"))
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunParts:
-    """What a run holds from step to step: built once by `setup`, read by the stages below."""
-
-    cfg: Config
-    run: Path
-    rank: int
-    world: int
-    tp: int  # ranks per engine (rollout.tensor_parallel_size)
-    tokenizer: object
-    engine: object
-    search_fn: object
-    timings: dict
-    model: torch.nn.Module
-    ref: torch.nn.Module | None
-    critic: torch.nn.Module | None
-    optimizer: torch.optim.Optimizer
-    critic_opt: torch.optim.Optimizer | None
-    constraints: list
-    bapo: BapoState | None
-    judge: object
-    measure_judge: object
-    train_q: list[dict]
-    val_q: list[dict]
-    rng: random.Random
-    order: list[int] = field(default_factory=list)
-    step0: int = 0
-    trackers: list = field(default_factory=list)
-    engine_gib: float = 0.0  # GPU memory torch counted for the engine when it started (vLLM's weights, KV cache)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
 
 
 def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
@@ -318,140 +198,6 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     return ev
 
 
-def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
-    """Processes, data, engine, policy (LoRA, FSDP), reference, critic, optimizers, rewards'
-    state; then the checkpoint's state when resuming. Bad settings fail before anything slow."""
-    rank, world, device = init(cfg.train.dist_timeout)
-    if world > 1 and not cfg.train.fsdp:
-        raise ConfigError(f"{world} processes need train.fsdp: true (there is no replicated data-parallel mode)")
-    tp = cfg.rollout.tensor_parallel_size  # ranks per engine
-    if world % tp:
-        raise ConfigError(f"rollout.tensor_parallel_size {tp} must divide the number of processes ({world})")
-    lora_on = cfg.train.lora_rank > 0
-    if lora_on and world > 1:
-        raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
-    torch.manual_seed(cfg.train.seed)
-    # read before the engine starts: vLLM CPU sets LOCAL_WORLD_SIZE to its tensor-parallel size
-    # in this process (vllm/platforms/cpu.py), which a 2-process launch then reads as 1
-    here = process_layout(rank, device)
-    threads = trainer_threads(cfg.train.threads, cfg.train.cpu_offload, device.type == "cuda",
-                              len(os.sched_getaffinity(0)), here["local_world_size"])  # fmt: skip
-    torch.set_num_threads(threads)
-    constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
-    if cfg.data.corpus or cfg.data.train:
-        data_paths(cfg)  # given files: fail on a bad path before building anything
-    check_retriever(cfg.retriever)  # a paper config's server, not started: one line before anything loads
-    if rank == 0:  # builds the tiny world once; the other ranks wait, then find it cached
-        start_dir = resume_from or ensure_policy(cfg, run)
-    wait_for_main(world, "policy")  # rank 0 builds the world / warm start (10-20 min): no dist_timeout
-    start_dir = resume_from or ensure_policy(cfg, run)
-    paths = data_paths(cfg)
-    train_q, val_q = load_questions(paths["train"]), load_questions(paths["val"])  # a bad line fails before any model
-    tokenizer = load_tokenizer(start_dir)
-    check_chat_template(tokenizer, cfg.rollout, start_dir)  # before any engine starts
-    for questions, kind in ((train_q, "train"), (val_q, "val")):  # a prompt too long for the engine: refused here
-        check_prompt_lengths(questions, tokenizer, cfg.rollout, paths[kind])
-    timings: dict[str, float] = {}
-    before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-    # an engine per process (per tensor-parallel group): vLLM's external_launcher joins the
-    # launcher's processes; "file": each engine in a process of its own (trainer/engine.py)
-    engine = make_engine(
-        cfg.rollout.engine, start_dir, cfg.rollout, cfg.model.dtype, seed=cfg.train.seed,
-        separate_process=world > 1 and cfg.rollout.weight_sync == "file",
-        launcher=world > 1 and cfg.rollout.weight_sync == "memory",
-    )  # before bm25s
-    engine_gib = (torch.cuda.memory_allocated() - before) / 2**30 if torch.cuda.is_available() else 0.0
-    search_fn = make_search_fn(cfg, paths["corpus"], timings)
-    where = {"engine": cfg.rollout.engine, "engine_kv_cache_bytes": engine.kv_cache_bytes,
-             "retriever": cfg.retriever.url or "in process"}  # fmt: skip
-    layout = gather_lists([here | where], world)
-    if rank == 0:  # which rank ran where: a several-machine launch, checked after the fact
-        (run / "processes.json").write_text(json.dumps(layout, indent=1))
-    torch.set_num_threads(threads)  # vLLM's GPU worker drops torch to 1 thread "for serving"
-    model, ref, critic = load_models(cfg, run, start_dir, resume_from, device, rank, world)
-    trainable = [q for q in model.parameters() if q.requires_grad]  # all of them, or LoRA's adapters
-    optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
-    critic_opt = critic_optimizer(critic, cfg.train.critic_lr) if critic is not None else None
-    judge = make_judge(cfg.train.judge, cfg.train.judge_model, on_failure="zero", timeout=cfg.train.judge_timeout,
-                       concurrency=cfg.train.judge_concurrency) if cfg.train.judge else None  # fmt: skip
-    p = RunParts(
-        cfg, run, rank, world, tp, tokenizer, engine, search_fn, timings, model, ref, critic, optimizer, critic_opt,
-        constraints,
-        BapoState(patience=cfg.train.bapo_patience, min_delta=cfg.train.bapo_min_delta)
-        if "bapo" in cfg.train.reward else None,
-        judge,
-        # validation always measures faithfulness; on the tiny world the rule judge does it for any run
-        judge or (make_judge("rule") if not cfg.data.corpus else None),
-        train_q,
-        first_of_each_benchmark(val_q, cfg.eval.max_questions),  # per data_source: the seven, not NQ's first rows
-        random.Random(cfg.train.seed),  # the question order
-        engine_gib=engine_gib,
-    )  # fmt: skip
-    if resume_from is not None:
-        resume_state(p, resume_from)
-    p.trackers = open_trackers(cfg, run, resumed=resume_from is not None) if rank == 0 else []
-    return p
-
-
-def resume_state(p: RunParts, resume_from: Path) -> None:
-    """setup's last part when resuming: the checkpoint's optimizers, step, data order and RNG,
-    Lagrange multipliers and BAPO stage, into the freshly built parts."""
-    state = load_trainer_state(resume_from, p.run, p.optimizer, p.rank, p.world)
-    if p.critic_opt is not None:
-        p.critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{p.rank}.pt"))
-    p.step0, p.order = state["step"], state["order"]
-    p.rng.setstate(state["data_rng"])
-    restore_constraints(p.constraints, state["constraints"])
-    if p.bapo is not None:
-        p.bapo.__dict__.update(state["bapo"])
-    print(f"resumed from {resume_from} at step {p.step0}", flush=True)
-
-
-def sharded_policy_and_reference(cfg: Config, policy_dir: Path, ref_dir: Path | None, rank: int,
-                                 world: int) -> tuple:  # fmt: skip
-    """Several processes: the fp32 policy (with its memory savers) and the model.dtype reference
-    (None without ref_dir), each built on the meta device and sharded, then filled from rank 0's
-    read of its checkpoint: no process holds the whole fp32 policy (7B: 28 GB) in host RAM or
-    beside vLLM's share of its GPU (README, "Loading on the box")."""
-    model = shard(memory_savers(empty_policy(policy_dir).eval(), cfg), cfg)
-    load_from_rank0(model, policy_dir, rank, world, cfg)
-    ref = None
-    if ref_dir is not None:
-        ref = shard_reference(empty_policy(ref_dir, cfg.model.dtype), cfg)
-        load_from_rank0(ref, ref_dir, rank, world, cfg)
-    return model, ref
-
-
-def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | None, device, rank: int,
-                world: int) -> tuple:  # fmt: skip
-    """(policy, frozen reference or None, critic or None), on this process's device, sharded
-    with FSDP when there are several processes."""
-    lora_on = cfg.train.lora_rank > 0
-    # the frozen reference is the starting policy, in model.dtype (no fp32 master)
-    ref_dir = (ensure_policy(cfg, run) if resume_from else start_dir) if needs_reference(cfg) else None
-    ref = None
-    if world > 1:
-        model, ref = sharded_policy_and_reference(cfg, start_dir, ref_dir, rank, world)
-    else:
-        # LoRA resume: the adapters sit on the ORIGINAL base; the checkpoint's model.safetensors is merged
-        model = memory_savers(load_policy(ensure_policy(cfg, run) if lora_on and resume_from else start_dir).eval(),
-                              cfg).to(device)  # fmt: skip
-        if lora_on:
-            model = load_lora(model, resume_from) if resume_from else add_lora(
-                model, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_dropout, cfg.train.lora_targets or None
-            )  # fmt: skip
-        if ref_dir is not None:
-            ref = load_policy(ref_dir, cfg.model.dtype).eval().requires_grad_(False).to(device)
-    critic = None
-    if cfg.train.algo == "ppo":  # every process reads the critic's checkpoint (its head has no meta build)
-        critic = load_critic(resume_from if resume_from else start_dir)
-        critic = critic.to(device) if world == 1 else critic
-        memory_savers(critic.backbone, cfg)
-        if world > 1:
-            critic = shard_critic(critic, cfg)
-    return model, ref, critic
-
-
 def roll_out(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
     """Each engine rolls out its block of qs (whole groups); every rank gets all the records, in
     the order of qs, as one process would have them."""
@@ -476,52 +222,24 @@ def rollout_stage(p: RunParts, step: int) -> tuple[list[dict], dict]:
         records, counts["resampled_groups"] = resample_marked_groups(records, questions,
                                                                      lambda qs, seed: roll_out(p, qs, seed), cfg,
                                                                      step, stage)  # fmt: skip
-    if cfg.train.filter_groups:
-        records, counts["filter"] = fill_varied_groups(p, records, step)
+    if cfg.train.filter_groups:  # DAPO's dynamic sampling: groups with no GRPO signal replaced
+        records, counts["filter"] = fill_varied_groups(records, cfg.train.questions_per_step,
+                                                       cfg.train.filter_max_rounds, lambda rs: score_records(p, rs),
+                                                       lambda n, k: roll_out_next(p, n, step, k))  # fmt: skip
+        if counts["filter"]["groups"] < cfg.train.questions_per_step and p.main:
+            tqdm.write(f"filter_groups: step {step + 1}: {counts['filter']['groups']} of {cfg.train.questions_per_step}"
+                       f" groups have rewards that differ after {counts['filter']['rounds']} more rounds "
+                       "(train.filter_max_rounds); training on those (none: on the first batch as it was)")  # fmt: skip
     p.engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
     return records, counts
 
 
-def fill_varied_groups(p: RunParts, records: list[dict], step: int) -> tuple[list[dict], dict]:
-    """DAPO's dynamic sampling (DAPO §3.2, eq. 11: keep a group only if 0 < #correct < G; here, if
-    its rewards are not all equal, which is the same for EM and also holds for graded rewards):
-    score the batch, keep its groups whose rewards differ, and roll out the next questions of the
-    data order in place of the others, up to train.filter_max_rounds more rounds. Returns the kept
-    groups, at most questions_per_step of them, and the counts: the share of the first batch's
-    groups that varied, the extra rounds, the questions rolled out (the oversampling: DAPO's
-    num_gen_batches) and the groups trained on. A batch still short after the last round trains on
-    the groups it has, said in one line; none at all keeps the first batch as it was (its
-    advantages are all 0: the step trains on the KL term alone, as without filtering)."""
-    cfg, want = p.cfg, p.cfg.train.questions_per_step
-    score_records(p, records)
-    kept = varied_groups(records)
-    first, rounds, rolled = len(kept), 0, len({r["group_id"] for r in records})
-    while len(kept) < want and rounds < cfg.train.filter_max_rounds:
-        rounds += 1
-        idx, p.order = _next_batch(p.order, len(p.train_q), want - len(kept), p.rng)
-        fresh = roll_out(p, [p.train_q[i] for i in idx], cfg.train.seed * 100003 + step + 7_000_003 * rounds)
-        check_engine_logprobs(fresh, cfg.rollout.engine, step + 1)
-        score_records(p, fresh)
-        taken = {g[0]["group_id"] for g in kept}  # a question drawn twice in a step (a small set) counts once
-        kept += [g for g in varied_groups(fresh) if g[0]["group_id"] not in taken]
-        rolled += len(idx)
-    counts = {"varied_first": first / max(1, rolled if rounds == 0 else want), "rounds": rounds,
-              "questions": rolled, "groups": min(len(kept), want)}  # fmt: skip
-    if len(kept) < want and p.main:
-        tqdm.write(f"filter_groups: step {step + 1}: {len(kept)} of {want} groups have rewards that differ after "
-                   f"{rounds} more rounds (train.filter_max_rounds); training on "
-                   f"{len(kept) if kept else 'the first batch as it was'}")  # fmt: skip
-    if not kept:
-        return records, counts
-    return [r for group in kept[:want] for r in group], counts
-
-
-def varied_groups(records: list[dict]) -> list[list[dict]]:
-    """The groups (in order) whose rollouts' rewards are not all equal: the ones GRPO learns from."""
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(str(r["group_id"]), []).append(r)
-    return [g for g in groups.values() if len({r["reward"] for r in g}) > 1]
+def roll_out_next(p: RunParts, n: int, step: int, round_: int) -> list[dict]:
+    """The next n questions of the data order, rolled out (filter_groups' refills, a seed each round)."""
+    idx, p.order = _next_batch(p.order, len(p.train_q), n, p.rng)
+    records = roll_out(p, [p.train_q[i] for i in idx], p.cfg.train.seed * 100003 + step + 7_000_003 * round_)
+    check_engine_logprobs(records, p.cfg.rollout.engine, step + 1)
+    return records
 
 
 def score_records(p: RunParts, records: list[dict]) -> None:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_memory import current_rss, ensure_model, load_average  # noqa: E402
 
-from train import sharded_policy_and_reference  # noqa: E402
+from run_setup import sharded_policy_and_reference  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.engine import load_policy  # noqa: E402

@@ -136,7 +136,7 @@ def load_average() -> str:
 
 def rss_child(name: str, steps: int, n_seqs: int, seq_len: int) -> dict:
     """Runs in the subprocess: load, `steps` grpo_steps, report memory and times."""
-    from train import make_optimizer
+    from trainer.distributed import make_optimizer
     from trainer.engine import load_policy
     from trainer.grpo import grpo_step, memory_savers
 
@@ -246,7 +246,7 @@ def step_flops(model, n_seqs: int, seq_len: int) -> tuple[float, float]:
 
 def run_flops(reps: int, n_seqs: int, seq_len: int) -> dict:
     """Alternate matmul bf16/fp32 and grpo_step bf16/fp32 in one process; median of reps."""
-    from train import make_optimizer
+    from trainer.distributed import make_optimizer
     from trainer.engine import load_policy
     from trainer.grpo import grpo_step
 

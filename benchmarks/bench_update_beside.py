@@ -5,7 +5,7 @@
     python benchmarks/bench_update_beside.py --config configs/smollm2.yaml --engine vllm \
         --set sft.warm_start=false --set rollout.max_turns=0 --batch /tmp/batch.jsonl --reps 2
 
-One process, set up as train.py sets it up (train.setup: the engine first, then the retriever,
+One process, set up as train.py sets it up (run_setup.setup: the engine first, then the retriever,
 the policy and its optimizer). It rolls out one step's questions (generation tokens/s, the
 engine's own batch), then takes `--reps` GRPO updates (train.update_stage, the stage that
 metrics.jsonl times as "train") on the batch in `--batch` (the records of an earlier run,
@@ -42,19 +42,20 @@ def main() -> None:
 
     import train
     from trainer.checkpoint import new_run_dir
+    from trainer.judging import judge_counts
 
     run_dir = tempfile.mkdtemp(prefix="bench_update_")
     cfg = load_config(args.config, [*args.set, f"rollout.engine={args.engine}", f"train.run_dir={run_dir}"])
     resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
+    cfg.train.questions_per_step = args.gen_questions or cfg.train.questions_per_step
     p = train.setup(cfg, new_run_dir(cfg), None)
     threads, cpus = torch.get_num_threads(), sorted(os.sched_getaffinity(0))
     real = torch.set_num_threads is torch._C.set_num_threads  # vLLM CPU in process swaps it for a no-op
-    batch_idx, _ = train._next_batch([], len(p.train_q), args.gen_questions or cfg.train.questions_per_step, p.rng)
     t = time.time()
-    records, _ = train.rollout_stage(p, [p.train_q[i] for i in batch_idx], 0)
+    records, _ = train.rollout_stage(p, 0)
     gen_s = time.time() - t - p.timings.get("retrieve", 0.0)
     gen_tokens = sum(sum(r["loss_mask"]) for r in records)
-    train.reward_stage(p, records)
+    train.reward_stage(p, records, judge_counts(p.judge))
     if args.save_batch:
         with open(args.save_batch, "w") as f:
             f.writelines(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n" for r in records)

@@ -27,9 +27,10 @@ from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train import make_optimizer, sharded_policy_and_reference
+from run_setup import sharded_policy_and_reference  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.distributed import make_optimizer  # noqa: E402
 from trainer.engine import load_policy  # noqa: E402
 from trainer.grpo import grpo_step, memory_savers  # noqa: E402
 from trainer.ppo import critic_optimizer, critic_step, critic_values, load_critic  # noqa: E402

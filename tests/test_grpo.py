@@ -286,7 +286,7 @@ def test_rft_keeps_accepted_rollouts_and_one_idk_when_none_is_correct():
 def test_bapo_resampling_enlarges_the_group_in_the_plateau_stage_only():
     # issue 23.3: BAPO §4.2 resamples in the plateau stage, and App. B.2's new rollouts enlarge
     # the effective group (G, then up to G (k + 1)) instead of replacing it
-    from train import resample_marked_groups
+    from sampling import resample_marked_groups
     from trainer.config import load_config
 
     def rec(qid: str, answer: str) -> dict:

@@ -19,7 +19,10 @@ import importlib.util
 import math
 from pathlib import Path
 
+import torch
+
 from trainer.config import Config, ConfigError, config_to_dict
+from trainer.distributed import all_reduce
 
 try:
     from torch.utils.tensorboard import SummaryWriter
@@ -118,3 +121,23 @@ def summary_table(before: dict, after: dict, steps: int, minutes: float) -> str:
             delta = f"  ({after[key] - b:+.3f})" if b is not None else ""
             lines.append(f"  {label:<35} {first}   {after[key]:.3f}{delta}")
     return "\n".join(lines)
+
+
+# The step's times and GPU memory, as the metrics row gives them (train.py).
+
+
+def slowest(seconds: float, world: int) -> float:
+    """A stage's wall time over the processes: the step waits for the slowest rank."""
+    return float(all_reduce(torch.tensor([seconds], dtype=torch.float64), world, "max"))
+
+
+def stage_peak_gib(world: int) -> float:
+    """On a GPU: the most memory torch's allocator held since the last call, in GiB, the largest
+    over the processes; then the count restarts, so each call measures one stage. It counts the
+    trainer's tensors and, in the same process, vLLM's weights and KV cache (run_setup.RunParts.engine_gib
+    is their share at start). 0.0 on a CPU."""
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return float(all_reduce(torch.tensor([peak], dtype=torch.float64), world, "max"))
