@@ -1,9 +1,33 @@
-"""Rewards of the five papers: rollout record -> named components -> one scalar per rollout.
+"""Rewards of the five papers and of the search step: rollout record -> components -> reward.
 
-Every reward reads the rollout's *response* (policy text plus tool outputs, never the prompt,
-whose example "<answer> Paris </answer>" would otherwise score; docs/design.md §7) through one parser,
-`answers.parse_response`, and returns a dict of components with a "reward" key. Malformed text never
-raises: it is a format failure. A new reward is one function plus one line in REWARDS.
+The contract. A reward is a function
+
+    def my_reward(record: dict, my_param: float = 0.5, **_) -> dict:
+        return {"reward": ..., "my_component": ..., "turn_rewards": [...]}   # turn_rewards optional
+
+- `record` is a rollout record (rollout.py; docs/design.md §2). Read its *response* (policy text
+  plus tool outputs, never the prompt, whose example "<answer> Paris </answer>" would otherwise
+  score; §7) through the one parser, `answers.parsed(record)`. Malformed text never raises: it is
+  a format failure.
+- Keyword arguments: every `train.reward_params` key (all of them, to every reward of a sum) and
+  what the trainer gives every reward: `judge` (train.judge, or None), `passage` (id -> corpus
+  text, or None), `answer_logprob` (the policy's scorer for IG-Search, or None). So end the
+  signature with `**_`: train.py refuses a reward that cannot take them, in one line, before any
+  engine starts (trainer/reward_spec.check_reward).
+- It returns a dict with a numeric "reward" (the outcome, one scalar per rollout); every other
+  numeric key is a component, logged as `reward/<name>` (in a weighted sum, `<term>/<name>`).
+- `turn_rewards` (optional): one value per action turn of the record (its policy chunks, in order;
+  None for a turn it does not score). They land on that turn's tokens (trainer/turns.py: GRPO adds
+  train.turn_coef x their group-normalised value, PPO puts them at the turn's last token) and are
+  logged per turn index (turn_reward/<k>). A per-turn reward of this table returns "reward" 0, so
+  that "em + turn_hit" keeps EM as the outcome.
+- Signs: a penalty may be negative, and is welcome inside a weighted sum ("em - 0.1*my_penalty",
+  or a function returning -1); a table reward states its range in RANGES, held by a property test.
+- A group reward (one that sees all G rollouts of a question, as BAPO's) takes the group's list
+  and returns one dict per rollout; mark it with `my_reward.group = True`.
+- Two ways in: a line in REWARDS (with its range in RANGES, which tests/test_rewards_properties.py
+  checks on adversarial output), or `train.reward: my_module:my_reward` for a reward kept in your
+  fork (README "Fork a reward"), checked the same way before the run starts.
 
     >>> search_r1_em({"response": "<think>x</think><answer> the Velor. </answer>", "golden_answers": ["Velor"]})
     {'em': 1.0, 'f1': 1.0, 'format_ok': 1.0, 'reward': 1.0}
@@ -27,6 +51,15 @@ The table (`REWARDS`), by paper, with the equation each implements:
   and the components on their own: em, subem, f1, char_f1, format, idk, confidence,
   reliability, source_restricting, think_answer, info_think, think_search.
 
+Per search step (turn_rewards; agent/steps.py holds their pieces):
+
+  turn_hit           1 for a search whose results hold a golden answer, 0 for one whose do not
+  stepsearch         StepSearch (arXiv 2505.15107 §3): information gain over the gold documents
+                     minus the share of documents seen before, per search
+  ig_search          IG-Search (arXiv 2604.15148): the policy's log-probability of the gold answer
+                     after the search's results, minus after another rollout's results (a group
+                     reward; the policy scores it, about one forward pass per search and swap)
+
 Composition: a config names a reward ("deliberative") or a weighted sum of table entries
 ("0.9*em + 0.1*think_answer"); parameters go in `train.reward_params`. `check_reward` checks both
 before a run starts (trainer/reward_spec.py: the grammar, and a misspelt parameter names itself),
@@ -34,9 +67,10 @@ and a reward that comes out NaN or infinite stops the step (TrainingFault). Offl
 
     python rewards.py --reward bapo --input rollouts.jsonl --output scores.jsonl
 
-One file on purpose (about 490 lines): the five papers' rewards side by side in one table is
-what a reader compares and a fork edits; the parsing and the judge they share live in agent/, and
-so does BAPO's machinery around its reward (agent/bapo.py: the modulator's stage, resampling).
+One file on purpose (about 530 lines, the contract above included): the papers' rewards side by
+side in one table is what a reader compares and a fork edits; the parsing and the judge they
+share live in agent/, and so do BAPO's machinery around its reward (agent/bapo.py) and the
+per-step measures (agent/steps.py).
 """
 
 from __future__ import annotations
@@ -46,6 +80,7 @@ import json
 import math
 import sys
 
+from agent import scoring
 from agent.answers import (
     ACTIONS,
     OBSERVATIONS,
@@ -59,6 +94,7 @@ from agent.answers import (
 )
 from agent.bapo import bapo_correct, bapo_solved
 from agent.judge import asked_at_once, make_judge
+from agent.steps import action_turns, gold_documents, ig_search_steps, retrieval_hits, stepsearch_steps
 from search.web import SOURCE_OPERATORS
 from trainer import reward_spec
 from trainer.config import TrainingFault
@@ -293,6 +329,43 @@ bapo.group = True
 
 
 # --------------------------------------------------------------------------------------------
+# Per search step: "reward" 0 (the outcome is another term's), the credit in turn_rewards.
+
+
+def turn_hit(record: dict, **_) -> dict:
+    """1 for each search whose results hold a golden answer, 0 for one whose do not (None: a turn
+    without a search). hit_rate: the share of the rollout's searches that hit."""
+    hits = retrieval_hits(record)
+    scored = [h for h in hits if h is not None]
+    return {"reward": 0.0, "hit_rate": sum(scored) / len(scored) if scored else 0.0, "turn_rewards": hits}
+
+
+def stepsearch(record: dict, passage=None, **_) -> dict:
+    """StepSearch's IG_t - P_t per search (agent/steps.stepsearch_steps), against the question's
+    gold documents (metadata.support_docs, or the passages metadata.gold_ids names)."""
+    steps = stepsearch_steps(record, gold_documents(record, passage))
+    scored = [s for s in steps if s is not None]
+    return {"reward": 0.0, "step_mean": sum(scored) / len(scored) if scored else 0.0, "turn_rewards": steps}
+
+
+def ig_search(group: list[dict], answer_logprob=None, swaps: int = 3, **_) -> list[dict]:
+    """IG-Search's information gain per search of each rollout of the group (agent/steps.py),
+    scored by the policy (`answer_logprob`, which train.py gives)."""
+    if answer_logprob is None and any(r.get("tool_calls") for r in group):
+        raise TrainingFault("reward 'ig_search' needs the policy's scorer (answer_logprob), which train.py gives; "
+                            "it cannot be computed offline")  # fmt: skip
+    steps = ig_search_steps(group, answer_logprob, int(swaps)) if answer_logprob else [[] for _ in group]
+    out = []
+    for turns in steps:
+        scored = [s for s in turns if s is not None]
+        out.append({"reward": 0.0, "ig_mean": sum(scored) / len(scored) if scored else 0.0, "turn_rewards": turns})
+    return out
+
+
+ig_search.group = True
+
+
+# --------------------------------------------------------------------------------------------
 # The table, composition and scoring.
 
 REWARDS = {
@@ -317,12 +390,19 @@ REWARDS = {
     "think_answer": think_answer,
     "info_think": info_think,
     "think_search": think_search,
+    # per search step (turn_rewards)
+    "turn_hit": turn_hit,
+    "stepsearch": stepsearch,
+    "ig_search": ig_search,
 }
 # The documented range of each reward (property tests hold every reward to it). deliberative's
 # upper end grows with lambda: 1 + lambda.
 RANGES = {name: (0.0, 1.0) for name in REWARDS} | {
     "deliberative": (0.0, math.inf), "webfilter": (-1.0, 1.0), "bapo": (-1.0, 1.5),
 }  # fmt: skip
+# The range of each turn reward of a per-step reward (its "reward" is 0): stepsearch's IG in
+# [0, 1] minus a redundancy share in [0, 1]; ig_search's a difference of log-probabilities.
+TURN_RANGES = {"turn_hit": (0.0, 1.0), "stepsearch": (-1.0, 1.0), "ig_search": (-math.inf, math.inf)}
 
 
 def parse_spec(spec: str, key: str = "train.reward") -> list[tuple[float, str]]:
@@ -342,82 +422,42 @@ def check_reward(spec: str, params: dict, constraints: list = (),
     reward_spec.check_reward(spec, params, REWARDS, constraints, keys)
 
 
-def _group_by(records: list[dict]) -> dict[str, list[int]]:
-    groups: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        groups.setdefault(str(r.get("group_id", r.get("id", i))), []).append(i)
-    return groups
-
-
-def _check_finite(name: str, parts: list[dict], records: list[dict]) -> None:
-    """A non-finite (or non-numeric) reward or numeric component stops the step with a
-    TrainingFault naming the reward, how many rollouts and one group: passed on, one NaN would
-    make its group's advantages, then the loss and every weight, NaN (and 0 in its place would
-    teach the policy a reward that was never computed)."""
-    bad = []
-    for i, comp in enumerate(parts):
-        try:
-            values = [("reward", float(comp["reward"]))]
-        except (TypeError, ValueError, KeyError):
-            gid = records[i].get("group_id")
-            raise TrainingFault(f"non-numeric reward from {name!r}: {comp!r} for a rollout of group_id {gid!r} "
-                                f"(a dict with a numeric 'reward' is needed)") from None  # fmt: skip
-        values += [(k, v) for k, v in comp.items() if k != "reward" and isinstance(v, (int, float))]
-        wrong = [(k, v) for k, v in values if not math.isfinite(v)]
-        if wrong:
-            bad.append((i, *wrong[0]))
-    if bad:
-        i, key, value = bad[0]
-        what = "non-finite reward" + (f" component {key!r} of" if key != "reward" else " from") + f" {name!r}"
-        raise TrainingFault(f"{what}: {value} for {len(bad)} of {len(records)} rollouts (first: group_id "
-                            f"{records[i].get('group_id')!r}), not passed on to the advantages; check the reward "
-                            f"function or its judge")  # fmt: skip
-
-
-def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None) -> list[dict]:
+def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None,
+            given: dict | None = None) -> list[dict]:  # fmt: skip
     """Components and the scalar for each record (group rewards see their whole group).
 
-    Returns one dict per record: {"reward": float, "components": {"<term>": ..., ...}}. A
-    single-term spec reports that reward's own components; a sum reports each term's scalar.
-    A reward or numeric component that is NaN or infinite raises TrainingFault (_check_finite).
-    With a judge, every verdict the rewards ask for, record by record, is asked in one call
+    Returns one dict per record: {"reward": float, "components": {...}} and, where a term gives
+    them, "turn_rewards" (the weighted sum of the terms' turn rewards, turn by turn; None where no
+    term scores the turn). A single-term spec reports that reward's own components; a sum reports
+    each term's scalar and its components as "<term>/<name>". `given`: what the trainer gives
+    every reward besides the judge (passage, answer_logprob; module docstring). A reward, numeric
+    component or turn reward that is NaN or infinite raises TrainingFault (agent/scoring.py). With a
+    judge, every verdict the rewards ask for, record by record, is asked in one call
     (judge.asked_at_once): the judge's concurrency serves the whole batch, for any reward.
     """
-    params = dict(params or {})
+    params = dict(GIVEN) | dict(given or {}) | dict(params or {})
     terms = parse_spec(spec)
-    return asked_at_once(judge, lambda j: _compute(records, spec, terms, params, j))
+    return asked_at_once(judge, lambda j: scoring.compute(records, spec, terms, params, j, REWARDS))
 
 
-def _compute(records: list[dict], spec: str, terms: list[tuple[float, str]], params: dict, judge) -> list[dict]:
-    """compute's work, with the judge (or the stand-in) asked_at_once gives it."""
-    out = [{"reward": 0.0, "components": {}} for _ in records]
-    for w, name in terms:
-        fn = reward_spec.reward_fn(name, REWARDS)
-        if getattr(fn, "group", False):
-            parts = [None] * len(records)
-            for idx in _group_by(records).values():
-                for i, comp in zip(idx, fn([records[i] for i in idx], judge=judge, **params)):
-                    parts[i] = comp
-        else:
-            parts = [fn(r, judge=judge, **params) for r in records]
-        _check_finite(name, parts, records)
-        for o, comp in zip(out, parts):
-            value = float(comp["reward"])
-            o["reward"] += w * value
-            if len(terms) == 1:
-                o["components"] = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in comp.items()}
-            else:
-                o["components"][name] = value
-    _check_finite(spec, out, records)  # a weighted sum that overflowed
-    return out
+GIVEN = {"passage": None, "answer_logprob": None}  # what every reward is given besides the judge (None: offline)
 
 
-def score(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None) -> list[dict]:
-    """Attach `reward` and `reward_components` to each rollout record (in place); return them."""
-    for r, s in zip(records, compute(records, spec, params, judge)):
+def score(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None,
+          given: dict | None = None) -> list[dict]:  # fmt: skip
+    """Attach `reward`, `reward_components` and, where given, `turn_rewards` to each rollout
+    record (in place); return them. A turn_rewards list that does not have one value per action
+    turn of its record raises TrainingFault (it would land on the wrong turns)."""
+    for r, s in zip(records, compute(records, spec, params, judge, given)):
         r["reward"] = s["reward"]
         r["reward_components"] = s["components"]
         r.pop("_parsed", None)
+        if "turn_rewards" in s:
+            if len(s["turn_rewards"]) != action_turns(r):
+                raise TrainingFault(f"reward {spec!r} gave {len(s['turn_rewards'])} turn rewards for a rollout of "
+                                    f"{action_turns(r)} action turns (group_id {r.get('group_id')!r}): one value "
+                                    "per action turn, None for a turn it does not score")  # fmt: skip
+            r["turn_rewards"] = s["turn_rewards"]
     return records
 
 

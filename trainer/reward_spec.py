@@ -27,6 +27,9 @@ from trainer.config import ConfigError
 
 # The "module:function" rewards of specs parsed so far (rewards.REWARDS stays the repo's own table).
 LOADED: dict[str, Callable] = {}
+# What the trainer gives every reward as keyword arguments besides train.reward_params (rewards.py's
+# contract): not parameters a config sets.
+GIVEN = ("judge", "passage", "answer_logprob")
 
 
 def reward_fn(name: str, table: dict[str, Callable]) -> Callable:
@@ -133,7 +136,44 @@ def reward_keywords(fn) -> dict[str, inspect.Parameter] | None:
     params = list(inspect.signature(fn).parameters.values())[1:]
     if any(p.kind is p.VAR_KEYWORD and p.name != "_" for p in params):
         return None
-    return {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "judge"}
+    return {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in GIVEN}
+
+
+def check_signature(name: str, fn: Callable, given: set[str]) -> None:
+    """A reward must take the record (or a group's list) first, and every keyword argument it will
+    be given (`given`: GIVEN, every train.reward_params key, the constraints' lambdas, BAPO's
+    modulator inputs), so end in `**_`; and a parameter without a default must be one of them.
+    Else a ConfigError of one line, before any engine starts: unchecked, the first step's scoring
+    died with a TypeError after the engine and the first rollouts.
+
+    >>> def mine(record, penalty=0.1): ...
+    >>> check_signature("m:mine", mine, {"judge", "penalty"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    trainer.config.ConfigError: reward 'm:mine' cannot take the keyword argument 'judge' ... **_)
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return
+    head = "reward " + repr(name)
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD,
+                                           params[0].VAR_POSITIONAL):  # fmt: skip
+        raise ConfigError(f"{head} must take the rollout record (a group reward: the group's list) as its first "
+                          f"argument, as def {getattr(fn, '__name__', 'reward')}(record, ..., **_)")  # fmt: skip
+    rest = params[1:]
+    if not any(p.kind is p.VAR_KEYWORD for p in rest):
+        named = {p.name for p in rest if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = sorted(given - named)
+        if missing:
+            s = "s" * (len(missing) > 1)
+            raise ConfigError(f"{head} cannot take the keyword argument{s} {', '.join(repr(m) for m in missing)} "
+                              f"that every reward is given (rewards.py, the reward contract): end its signature with "
+                              f"**_, as def {getattr(fn, '__name__', 'reward')}(record, ..., **_)")  # fmt: skip
+    required = [p.name for p in rest if p.default is p.empty and p.name not in given
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
+    if required:
+        raise ConfigError(f"{head} needs {', '.join(repr(r) for r in required)}, which nothing gives it: set "
+                          f"train.reward_params.{required[0]} or give the parameter a default")  # fmt: skip
 
 
 def check_reward(spec: str, params: dict, table: dict[str, Callable], constraints: list = (),
@@ -155,6 +195,11 @@ def check_reward(spec: str, params: dict, table: dict[str, Callable], constraint
     names = [name for _, name in parse_spec(spec, table, keys[0])]
     if not isinstance(params, dict):
         raise ConfigError(f"{_label(keys[1])} must be a mapping of name: value, got {params!r}")
+    given = set(GIVEN) | set(params) | {c["param"] for c in constraints if isinstance(c, dict) and c.get("param")}
+    if "bapo" in names:  # the modulator's inputs, which train.py adds at each step (BAPO §4.2)
+        given |= {"stage", "idk_ratio"}
+    for name in names:
+        check_signature(name, reward_fn(name, table), given)
     taken: dict[str, tuple[inspect.Parameter, str]] = {}  # key -> (parameter, the reward that takes it)
     for name in names:
         keywords = reward_keywords(reward_fn(name, table))
