@@ -17,9 +17,11 @@ once the tokenizer is loaded, still before any engine starts).
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from agent import protocols
@@ -190,3 +192,22 @@ def max_token_bytes(tokenizer) -> int:
     tokenising it: tokenising a 50 MB line took 166-228 s and 13.3 GB (88e794b)."""
     return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
 
+
+def passage_lookup(corpus_path: Path) -> Callable[[str], str | None]:
+    """id -> the passage's contents (None for an unknown id): what the rewards are given as
+    `passage` (StepSearch's gold documents from metadata.gold_ids). The id map is read on the
+    first call, one pass over the corpus holding every id and text: fine for the tiny world and a
+    few million passages; for wiki-18 give the questions `metadata.support_docs` instead (then it
+    is never called)."""
+    texts: dict[str, str] = {}
+
+    def passage(doc_id: str) -> str | None:
+        if not texts:
+            with open(corpus_path, encoding="utf-8-sig") as f:
+                for line in f:
+                    if line.strip():
+                        doc = json.loads(line)
+                        texts[str(doc["id"])] = str(doc["contents"])
+        return texts.get(str(doc_id))
+
+    return passage

@@ -23,7 +23,7 @@ import torch
 
 from agent.bapo import BapoState
 from agent.judge import make_judge
-from data import check_prompt_lengths, data_paths, ensure_policy
+from data import check_prompt_lengths, data_paths, ensure_policy, passage_lookup
 from rollout import check_chat_template
 from search.tools import check_retriever, make_search_fn
 from trainer.checkpoint import load_checkpoint_file, load_trainer_state
@@ -49,6 +49,7 @@ from trainer.lora import add_lora, load_lora
 from trainer.ppo import critic_optimizer, load_critic
 from trainer.questions import first_of_each_benchmark, load_questions
 from trainer.tracking import open_trackers
+from trainer.turns import answer_logprob_fn
 
 
 @dataclass
@@ -80,6 +81,7 @@ class RunParts:
     step0: int = 0
     trackers: list = field(default_factory=list)
     engine_gib: float = 0.0  # GPU memory torch counted for the engine when it started (vLLM's weights, KV cache)
+    given: dict = field(default_factory=dict)  # what every reward is given besides the judge (rewards.py)
 
     @property
     def main(self) -> bool:
@@ -96,6 +98,9 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     if world % tp:
         raise ConfigError(f"rollout.tensor_parallel_size {tp} must divide the number of processes ({world})")
     lora_on = cfg.train.lora_rank > 0
+    if world > 1 and "ig_search" in cfg.train.reward:  # its scorer's forwards would differ per rank under FSDP
+        raise ConfigError("train.reward ig_search scores with the policy in one process for now; it cannot run "
+                          f"with {world} processes")  # fmt: skip
     if lora_on and world > 1:
         raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
     torch.manual_seed(cfg.train.seed)
@@ -155,6 +160,9 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         random.Random(cfg.train.seed),  # the question order
         engine_gib=engine_gib,
     )  # fmt: skip
+    # the rewards' tools: StepSearch's gold passages, IG-Search's scorer (the policy, no gradient)
+    p.given = {"passage": passage_lookup(paths["corpus"]),
+               "answer_logprob": answer_logprob_fn(model, tokenizer, cfg.train.micro_batch_tokens, cfg.train.bf16)}
     if resume_from is not None:
         resume_state(p, resume_from)
     p.trackers = open_trackers(cfg, run, resumed=resume_from is not None) if rank == 0 else []

@@ -45,7 +45,8 @@ def resample_marked_groups(records: list[dict], questions: list[dict], roll_out,
     return records, count
 
 
-def score_shared(records: list[dict], spec: str, params: dict, judge, rank: int, world: int) -> None:
+def score_shared(records: list[dict], spec: str, params: dict, judge, rank: int, world: int,
+                 given: dict | None = None) -> None:  # fmt: skip
     """rewards.score on every record, each rank scoring the groups of its block (its judge asked
     for all of their verdicts at once, and a group's rewards are computed where the whole group
     is); every rank then has every reward, in place."""
@@ -53,19 +54,21 @@ def score_shared(records: list[dict], spec: str, params: dict, judge, rank: int,
     owner = {g: k for k in range(world) for g in my_share(groups, k, world)}
     mine = [r for r in records if owner[str(r["group_id"])] == rank]
     if world == 1:
-        score(mine, spec, params, judge)
+        score(mine, spec, params, judge, given)
         return
     fault = ""
     try:
-        score(mine, spec, params, judge)
+        score(mine, spec, params, judge, given)
     except TrainingFault as e:  # every rank must hear of it, or the others would wait in the gather below
         fault = f"rank {rank}: {e}"
     if fault := next(iter(gather_lists([fault] if fault else [], world)), ""):
         raise TrainingFault(fault)
     index = {id(r): i for i, r in enumerate(records)}  # every rank holds the same records, in the same order
-    for i, reward, components in gather_lists([(index[id(r)], r["reward"], r["reward_components"]) for r in mine],
-                                              world):  # fmt: skip
+    scored = [(index[id(r)], r["reward"], r["reward_components"], r.get("turn_rewards")) for r in mine]
+    for i, reward, components, turns in gather_lists(scored, world):
         records[i]["reward"], records[i]["reward_components"] = reward, components
+        if turns is not None:
+            records[i]["turn_rewards"] = turns
         records[i].pop("_parsed", None)  # the parse cache (answers.parsed) is rebuilt from the record alone
 
 

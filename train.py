@@ -128,7 +128,7 @@ from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
 from trainer.rundir import check_resume_config, own_run_dir
 from trainer.tracking import check_report_to, close_trackers, slowest, stage_peak_gib, summary_table, track
-from trainer.turns import grpo_turn_advantages, has_turn_rewards
+from trainer.turns import grpo_turn_advantages, has_turn_rewards, turn_reward_means
 
 # ---------------------------------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ def score_records(p: RunParts, records: list[dict]) -> None:
     params = reward_params(p.constraints, p.cfg.train.reward_params)
     if p.bapo is not None:
         params |= {"stage": p.bapo.stage, "idk_ratio": sum(parsed(r).idk for r in records) / len(records)}
-    score_shared(records, p.cfg.train.reward, params, p.judge, p.rank, p.world)
+    score_shared(records, p.cfg.train.reward, params, p.judge, p.rank, p.world, p.given)
 
 
 def reward_stage(p: RunParts, records: list[dict], judged_before: dict, scored: bool = False) -> dict:
@@ -327,6 +327,7 @@ def step_row(p: RunParts, step: int, records: list[dict], stats: dict, constrain
         "groups_alike": 1 - len(varied_groups(records)) / max(1, groups),  # groups with no GRPO signal
         "time": times,
     }  # fmt: skip
+    row |= turn_reward_means(records)  # per turn index, where the reward gives turn_rewards
     if p.bapo is not None:
         row |= {"bapo_stage": p.bapo.stage, f"idk_rate/{p.bapo.stage}": row["idk_rate"]}
     return row

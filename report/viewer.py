@@ -252,6 +252,9 @@ def render_card(record: dict, index: int, tokenizer=None) -> str:
         ("answer", escape(str(answer)) if answer is not None else "—"),
         ("reward", _num(reward) if reward is not None else "—"),
         ("components", comp_text),
+        *([("turn rewards", " · ".join(f"{k}: {_num(v) if v is not None else '—'}"
+                                       for k, v in enumerate(record["turn_rewards"], 1)))]
+          if record.get("turn_rewards") else []),  # fmt: skip
         ("searches", f"{n_search}" + (": " + "; ".join(f"“{escape(q)}”" for q in queries) if queries else "")),
         ("turns", escape(str(record.get("turns", "—")))),
         ("finish", escape(str(record.get("finish", "—")))),

@@ -340,7 +340,9 @@ def test_veritas_table(text, expected):
 def test_weighted_sum_and_unknown_names():
     assert parse_spec("0.9*em + 0.1*think_answer") == [(0.9, "em"), (0.1, "think_answer")]
     out = compute([R(SEARCHED + "<answer> Velor </answer>")], "0.5*em + 0.25*think_answer + 0.25*format")[0]
-    assert out["reward"] == pytest.approx(1.0) and out["components"] == {"em": 1.0, "think_answer": 1.0, "format": 1.0}
+    # each term's scalar, and each term's own components beside it (em's em / f1 / format_ok)
+    assert out["reward"] == pytest.approx(1.0) and out["components"] == {
+        "em": 1.0, "think_answer": 1.0, "format": 1.0, "em/em": 1.0, "em/f1": 1.0, "em/format_ok": 1.0}  # fmt: skip
     with pytest.raises(ValueError, match="unknown reward 'bogus'"):
         parse_spec("0.5*em + 0.5*bogus")
     records = score([R(SEARCHED + "<answer> Velor </answer>")], "em")

@@ -34,6 +34,12 @@ bit-identical to the outcome-only trainer's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
+from trainer.batching import autocast, per_position, token_logprobs
+from trainer.distributed import compute_device
 from trainer.grpo import group_advantages
 
 
@@ -109,3 +115,41 @@ def ppo_turn_rewards(records: list[dict], coef: float) -> list[list[tuple[int, f
         out.append([(pos, coef * float(v)) for pos, v in zip(last_token_positions(r), rewards)
                     if v is not None and pos is not None])  # fmt: skip
     return out
+
+
+def answer_logprob_fn(model, tokenizer, micro_batch_tokens: int, bf16: bool = False,
+                      lead: str = "\n<answer> ") -> Callable[[list[list[int]], list[str]], list[float]]:  # fmt: skip
+    """IG-Search's scorer, given to the rewards as `answer_logprob` (rewards.py's contract):
+    prefixes (token ids: a prompt and a response cut after an observation) and answers -> the
+    policy's mean log-probability of each answer's tokens after prefix + `lead` (the answer tag),
+    no gradient, in token-budget micro-batches. One process only: under FSDP every rank would
+    have to forward the same batches (run_setup refuses ig_search with several)."""
+    lead_ids = tokenizer.encode(lead, add_special_tokens=False)
+    device = compute_device(model)
+
+    def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), autocast(bf16):
+            return token_logprobs(model, ids.to(device), attn.to(device))
+
+    def answer_logprob(prefixes: list[list[int]], answers: list[str]) -> list[float]:
+        answer_ids = [tokenizer.encode(a, add_special_tokens=False) or [tokenizer.eos_token_id] for a in answers]
+        seqs = [list(p) + lead_ids + a for p, a in zip(prefixes, answer_ids)]
+        rows = per_position(logprobs, seqs, micro_batch_tokens, tokenizer.pad_token_id)
+        return [float(row[-len(a) :].float().mean()) for row, a in zip(rows, answer_ids)]
+
+    return answer_logprob
+
+
+def turn_reward_means(records: list[dict]) -> dict[str, float]:
+    """The step's mean turn reward per turn index (1-based, over the rollouts that scored that
+    turn): metrics.jsonl's `turn_reward/<k>`.
+
+    >>> turn_reward_means([{"turn_rewards": [1.0, None]}, {"turn_rewards": [0.0, 0.5]}, {}])
+    {'turn_reward/1': 0.5, 'turn_reward/2': 0.5}
+    """
+    sums: dict[int, list[float]] = {}
+    for r in records:
+        for k, v in enumerate(r.get("turn_rewards") or []):
+            if v is not None:
+                sums.setdefault(k, []).append(float(v))
+    return {f"turn_reward/{k + 1}": sum(vs) / len(vs) for k, vs in sorted(sums.items())}
