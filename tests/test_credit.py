@@ -77,7 +77,8 @@ def test_ig_search_is_the_policys_gain_over_swapped_documents(tmp_path):
 
 def test_turn_rewards_of_the_wrong_length_stop_the_step(tmp_path, monkeypatch):
     _, _, _, r = _rollout(tmp_path, HIT)
-    (tmp_path / "short_turns.py").write_text("def one(record, **_):\n    return {'reward': 0.0, 'turn_rewards': [1.0]}\n")
+    one_turn = "def one(record, **_):\n    return {'reward': 0.0, 'turn_rewards': [1.0]}\n"
+    (tmp_path / "short_turns.py").write_text(one_turn)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(TrainingFault, match="1 turn rewards for a rollout of 2 action turns"):
         score([r], "short_turns:one")
@@ -130,7 +131,8 @@ def test_the_per_turn_fork_recipe_trains_with_dynamic_sampling(micro, tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     run = next((tmp_path / "runs").glob("turns-*"))
-    steps = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
     assert len(steps) == 2
     for row in steps:
         f = row["filter"]
