@@ -139,7 +139,7 @@ def test_prepare_writes_what_the_merge_scripts_write(micro, tmp_path):
 
 @pytest.mark.slow
 def test_the_box_recipe_runs_on_cpu_from_the_public_formats(micro, tmp_path):
-    """README 'Search-R1 from its released files', command for command, on replicas: the downloads
+    """docs/box.md 'Search-R1's released files', command for command, on replicas: the downloads
     are tests/search_r1_files.py's writers, the GPU parts shrunk as the dress rehearsal shrinks them
     (one process, the micro policy, all-MiniLM-L6-v2 under E5's conventions for e5-base-v2)."""
     world = micro[3]
