@@ -54,7 +54,7 @@ The table (`REWARDS`), by paper, with the equation each implements:
 Per search step (turn_rewards; agent/steps.py holds their pieces):
 
   turn_hit           1 for a search whose results hold a golden answer, 0 for one whose do not
-  stepsearch         StepSearch (arXiv 2505.15107 §3): information gain over the gold documents
+  stepsearch         StepSearch (arXiv 2505.15107): information gain over the gold documents
                      minus the share of documents seen before, per search
   ig_search          IG-Search (arXiv 2604.15148): the policy's log-probability of the gold answer
                      after the search's results, minus after another rollout's results (a group

@@ -13,7 +13,7 @@ for a turn it does not score (no search in it, nothing to compare):
     [0.776]
 
   retrieval_hits   1 if the turn's results hold a golden answer (SQuAD-normalised, as EM), else 0
-  stepsearch_steps StepSearch (Wang et al. 2025, arXiv 2505.15107 §3; its code's
+  stepsearch_steps StepSearch (Wang et al. 2025, arXiv 2505.15107; docs/design.md §4; its code's
                    step_information_gain): IG_t - P_t, with IG_t = mean over gold documents g of
                    max(0, m_t(g) - M_{t-1}(g)), m_t(g) the best TF-IDF cosine of a document the
                    step retrieved with g, M the running best of earlier steps, and P_t the share of

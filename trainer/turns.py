@@ -6,7 +6,7 @@ call, each with its [start, end) in response_ids); retrieved tokens between them
 turn and stay out of every loss (loss_mask 0). A turn reward lands only on its own turn's
 policy tokens:
 
-  GRPO (MT-GRPO, Zeng et al. 2025, eq. 4-5; StepSearch's token-level step reward, 2505.15107 §3):
+  GRPO (MT-GRPO, arXiv 2505.11821, as its code mt_grpo_env_trainer.py computes it; docs/design.md §4):
 
       A_it = A_i + lambda * T_ik      for t a policy token of turn k of rollout i
       A_it = A_i                      elsewhere (turns with no reward, the answer turn)
