@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from protocol_script import train_bpe, train_chat_tok
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -183,3 +184,15 @@ def _reply(proc: subprocess.Popen, deadline: float) -> dict:
         _zygote["buffer"] += chunk
     line, _zygote["buffer"] = _zygote["buffer"].split(b"\n", 1)
     return json.loads(line)
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A real BPE tokenizer trained on the protocols' texts (protocol_script.train_bpe)."""
+    return train_bpe(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tmp_path_factory):
+    """A BPE with a Qwen2.5-style chat template (protocol_script.train_chat_tok)."""
+    return train_chat_tok(tmp_path_factory)

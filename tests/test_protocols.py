@@ -11,7 +11,7 @@ existed: a hash of every record and every engine call, recorded on the unchanged
 """
 
 import pytest
-from protocol_script import (
+from protocol_script import (  # bpe, chat_tok: conftest.py's fixtures
     WF_ANSWER,
     WF_BODY,
     WF_CALL,
@@ -22,8 +22,6 @@ from protocol_script import (
     question,
     run,
     tool_texts,
-    train_bpe,
-    train_chat_tok,
 )
 
 from agent.answers import parsed
@@ -31,17 +29,6 @@ from report import metrics
 from rewards import score
 from rollout import rollout_batch
 from trainer.config import RolloutConfig
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory):
-    return train_bpe(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def chat_tok(tmp_path_factory):
-    return train_chat_tok(tmp_path_factory)
-
 
 # ------------------------------------------------------------ search_r1: unchanged, bit for bit
 

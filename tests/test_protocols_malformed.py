@@ -6,15 +6,13 @@ batched tool call per turn, and the protocol as a config key. Good trajectories:
 """
 
 import pytest
-from protocol_script import (
+from protocol_script import (  # bpe, chat_tok: conftest.py's fixtures
     WF_ANSWER,
     CharTokenizer,
     check_bookkeeping,
     question,
     run,
     tool_texts,
-    train_bpe,
-    train_chat_tok,
 )
 
 from agent import protocols
@@ -22,17 +20,6 @@ from agent.answers import parsed
 from rewards import score
 from rollout import SEARCH_R1_TEMPLATE, render_prompt, rollout_batch, tool_message_wrap
 from trainer.config import ConfigError, RolloutConfig, load_config
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory):
-    return train_bpe(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def chat_tok(tmp_path_factory):
-    return train_chat_tok(tmp_path_factory)
-
 
 # ---- malformed actions: an invalid-action observation (a turn spent) or a format failure, never a crash
 
