@@ -324,7 +324,7 @@ def step_row(p: RunParts, step: int, records: list[dict], stats: dict, constrain
     row = {"step": step + 1} | batch_metrics(records) | stats | constraint_row | {
         "lr": lr_at(step, p.cfg),
         "tokens_per_s": gen_tokens / max(times["generate"], 1e-9),
-        "groups_alike": 1 - len(varied_groups(records)) / max(1, groups),  # groups with no GRPO signal
+        "groups_alike": 1 - len(varied_groups(records)) / max(1, groups),  # outcome rewards all equal: A_i = 0
         "time": times,
     }  # fmt: skip
     row |= turn_reward_means(records)  # per turn index, where the reward gives turn_rewards
