@@ -341,7 +341,7 @@ def run_eval(p: RunParts) -> dict:
     ev = summarize(val_records)  # EM-scored (rollout_mode)
     before = judge_counts(p.judge)
     score_shared(val_records, p.cfg.train.reward, reward_params(p.constraints, p.cfg.train.reward_params), p.judge,
-                 p.rank, p.world)  # fmt: skip
+                 p.rank, p.world, p.given)  # fmt: skip
     ev |= {k: v for k, v in batch_metrics(val_records).items() if k.startswith("reward/") or k == "idk_rate"}
     ev |= broadcast(paper_metrics(val_records, p.measure_judge) if p.main else None, p.world)
     # logged, not stopped on: validation trains nothing, and the next step stops on a dead judge anyway
