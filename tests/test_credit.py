@@ -143,3 +143,21 @@ def test_the_per_turn_fork_recipe_trains_with_dynamic_sampling(micro, tmp_path):
         assert "reward/my_turn_reward:repeat_penalty/repeats" in row and "truncated_masked" in row, sorted(row)
     samples = [json.loads(line) for line in (run / "samples" / "step_1.jsonl").read_text().splitlines()]
     assert all(len(s["turn_rewards"]) == sum(c["role"] == "policy" for c in s["chunks"]) for s in samples)
+
+
+@pytest.mark.slow
+def test_ig_search_trains_and_validates_with_the_policys_scorer(micro, tmp_path):
+    """IG-Search needs the policy: train.py gives it to the reward in the update and in validation
+    (which once scored without it, and stopped at step 0)."""
+    cfg_path = write_micro_config(
+        tmp_path / "c.yaml", micro[1].world.cache_dir, eval={"max_questions": 4},
+        train={"steps": 1, "save_every": 0, "eval_every": 1, "run_dir": str(tmp_path / "runs"), "name": "ig",
+               "reward": "em + ig_search"},
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "train.py", "--config", str(cfg_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in next((tmp_path / "runs").glob("ig-*")).joinpath("metrics.jsonl").open()]
+    step = next(r for r in rows if "reward" in r)
+    assert "reward/ig_search/ig_mean" in step and step["time"]["reward"] > 0
+    assert [r["step"] for r in rows if "eval" in r] == [0, 1]
