@@ -127,7 +127,15 @@ from trainer.ppo import ppo_update
 from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
 from trainer.rundir import check_resume_config, own_run_dir
-from trainer.tracking import check_report_to, close_trackers, slowest, stage_peak_gib, summary_table, track
+from trainer.tracking import (
+    check_report_to,
+    close_trackers,
+    effect_note,
+    slowest,
+    stage_peak_gib,
+    summary_table,
+    track,
+)
 from trainer.turns import grpo_turn_advantages, has_turn_rewards, turn_reward_means
 
 # ---------------------------------------------------------------------------------------------
@@ -400,8 +408,9 @@ def end_of_run_summary(run: Path, last_eval: dict, minutes: float) -> str:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     before = next((r["eval"] for r in rows if r["step"] == 0 and "eval" in r), {})
     steps = max((r["step"] for r in rows), default=0)
-    return (f"{summary_table(before, last_eval, steps, minutes)}\n"
-            f"every metric, step by step: {run / 'metrics.jsonl'}; curves: python eval.py curves {run}")  # fmt: skip
+    note = effect_note(before, last_eval, steps)  # a run that learned nothing says so, and what to try
+    return (f"{summary_table(before, last_eval, steps, minutes)}\n" + (f"{note}\n" if note else "")
+            + f"every metric, step by step: {run / 'metrics.jsonl'}; curves: python eval.py curves {run}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, run_script, write_micro_config
 
 from trainer.config import ConfigError, load_config
-from trainer.tracking import flat_scalars, summary_table
+from trainer.tracking import effect_note, flat_scalars, summary_table
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +102,13 @@ def test_report_to_names_are_checked_before_anything_starts():
 def test_summary_table_shows_only_what_was_measured():
     table = summary_table({"em": 0.25}, {"em": 0.5, "em_2hop": 0.4}, 3, 1.0)
     assert "(+0.250)" in table and "EM, 2-hop" in table and "searches" not in table
+
+
+def test_a_run_whose_effect_did_not_appear_says_so_and_what_to_try():
+    """The capped-AVX2 quick start of issue 46 (2-hop EM 0.040 -> 0.100) would have said so."""
+    note = effect_note({"em": 0.4, "em_2hop": 0.04}, {"em": 0.45, "em_2hop": 0.10}, 10)
+    assert note.startswith("the effect did not appear: 2-hop EM rose by +0.060 in 10 steps")
+    assert "train.steps=20" in note and "train.seed" in note
+    assert effect_note({"em_2hop": 0.065}, {"em_2hop": 0.725}, 10) == ""  # the quick start as documented
+    assert effect_note({"em": 0.30}, {"em": 0.30}, 5) != "" and effect_note({"em": 0.3}, {"em": 0.31}, 5) == ""
+    assert effect_note({}, {"em": 0.5}, 5) == ""  # no step-0 evaluation: nothing to compare
