@@ -299,7 +299,8 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
                                             cfg.train.adv_eps, cfg.train.adv_std)  # fmt: skip
         for r, adv in zip(records, per_position):
             r["advantages"] = adv
-    warn_if_no_signal(advantages, records, step, p.main)
+    else:  # with turn rewards, equal outcomes still leave the turns' signal
+        warn_if_no_signal(advantages, records, step, p.main)
     trained = [r for r in records if not truncated(r)] if cfg.train.mask_truncated else records
     stats = grpo_step(p.model, p.ref, trained, p.optimizer, cfg, pad_id, step, p.rank, p.world) if trained else {}
     for r in records:
