@@ -12,6 +12,11 @@ step, and the wall time of each run (curves in each RUN/curves/), as a markdown 
 min over seeds). `--parallel 2` runs two seeds at once with one torch thread each: on two
 cores that is faster than one run with two threads, and two processes with two threads each
 on two cores is far slower (spinning thread pools; README "Notes").
+
+`--seed-keys train.seed world.seed` sets each listed key to the seed: with `world.seed` each seed
+builds its own world and SFT start (cached under world.cache_dir), which stands in for the other
+numeric paths a CPU may take (results/quickstart_seeds.md). Each run's row is printed as one JSON
+line as soon as it finishes, so a long sweep leaves its results behind if it is stopped.
 """
 
 import argparse
@@ -28,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_seed(args, seed: int, threads: int) -> subprocess.Popen:
     name = f"{args.name}{seed}"
-    cmd = [sys.executable, "train.py", "--config", args.config, "--set", f"train.seed={seed}",
-           "--set", f"train.name={name}", "--set", f"train.threads={threads}",
+    seeds = sum((["--set", f"{k}={seed}"] for k in args.seed_keys), [])
+    cmd = [sys.executable, "train.py", "--config", args.config, *seeds, "--set", f"train.name={name}",
+           "--set", f"train.threads={threads}",
            *sum((["--set", s] for s in args.set), [])]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -48,6 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml", help="training config")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed values")
+    parser.add_argument("--seed-keys", nargs="+", default=["train.seed"], metavar="KEY",
+                        help="keys set to each seed (train.seed world.seed: a world and SFT start each)")  # fmt: skip
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra overrides")
     parser.add_argument("--name", default="seed", help="run name prefix (runs/<name><seed>-<time>)")
     parser.add_argument("--keys", nargs="+", default=["em_1hop", "em_2hop", "searches_2hop"],
@@ -68,6 +76,7 @@ def main() -> None:
             if proc.returncode != 0:
                 sys.exit(f"seed {seed} failed:\n{err[-3000:]}")
             rows.append(collect(args, seed, (time.time() - t) / 60))
+            print(json.dumps({k: v for k, v in rows[-1].items() if not k.startswith("train_")}), flush=True)
             subprocess.run(
                 [sys.executable, "eval.py", "curves", rows[-1]["run"]], cwd=ROOT, check=True, stdout=subprocess.DEVNULL
             )  # fmt: skip  (RUN/curves/*.png)
@@ -79,7 +88,6 @@ def main() -> None:
         b = [r[end].get(key, float("nan")) for r in rows]
         print(f"| {key} | {fmt(a)} | {fmt(b)} | {fmt([y - x for x, y in zip(a, b)])} |")
     print(f"| minutes per run | | {statistics.mean(r['minutes'] for r in rows):.1f} | |")
-    print(json.dumps([{k: v for k, v in r.items() if not k.startswith("train_")} for r in rows], indent=1))
 
 
 if __name__ == "__main__":
