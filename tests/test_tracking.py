@@ -109,6 +109,9 @@ def test_a_run_whose_effect_did_not_appear_says_so_and_what_to_try():
     note = effect_note({"em": 0.4, "em_2hop": 0.04}, {"em": 0.45, "em_2hop": 0.10}, 10)
     assert note.startswith("the effect did not appear: 2-hop EM rose by +0.060 in 10 steps")
     assert "train.steps=20" in note and "train.seed" in note
+    # world.seed 1's start (results/quickstart_seeds.md): it never learned to copy, and says so
+    no_copy = effect_note({"em_1hop": 0.03, "em_2hop": 0.035}, {"em_1hop": 0.03, "em_2hop": 0.02}, 20)
+    assert "did not learn to copy" in no_copy and "raise sft.steps" in no_copy
     assert effect_note({"em_2hop": 0.065}, {"em_2hop": 0.725}, 10) == ""  # the quick start as documented
     assert effect_note({"em": 0.30}, {"em": 0.30}, 5) != "" and effect_note({"em": 0.3}, {"em": 0.31}, 5) == ""
     assert effect_note({}, {"em": 0.5}, 5) == ""  # no step-0 evaluation: nothing to compare
