@@ -440,7 +440,8 @@ def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None
     return asked_at_once(judge, lambda j: scoring.compute(records, spec, terms, params, j, REWARDS))
 
 
-GIVEN = {"passage": None, "answer_logprob": None}  # what every reward is given besides the judge (None: offline)
+# what every reward is given besides the judge (reward_spec.GIVEN, the one list of them); None: offline
+GIVEN = dict.fromkeys(name for name in reward_spec.GIVEN if name != "judge")
 
 
 def score(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None,

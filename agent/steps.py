@@ -38,7 +38,8 @@ DOC_START = re.compile(r"(?m)^Doc \d+\(")  # format_hits / Search-R1's `Doc i(Ti
 
 
 def action_turns(record: dict) -> int:
-    """How many action turns the record has: its policy chunks."""
+    """How many action turns the record has: its policy chunks (trainer/turns.turn_spans gives
+    their token spans; kept apart so that reading a reward loads no torch)."""
     return sum(c.get("role") == "policy" for c in record.get("chunks") or [])
 
 
