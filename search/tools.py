@@ -55,13 +55,20 @@ def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int]
     (`site:tinypedia.org`, `-term`, ...) are filtered as search/web.py does. Over HTTP, each call
     retries a server that is down or answers 5xx until `retriever.timeout` (`retriever.retries`
     0: never), then raises search.client.RetrieverError; a batch goes in requests of at most
-    `retriever.max_queries_per_request` queries, each cut to `retriever.max_query_chars`."""
+    `retriever.max_queries_per_request` queries, each cut to `retriever.max_query_chars`. Hits scoring
+    below `retriever.min_score` are dropped (a hit without a score is kept only while it is 0)."""
     if rcfg.url:
         retries = 0 if rcfg.retries == 0 else None  # None: until the timeout (config.py says why)
         limits = {"max_queries": rcfg.max_queries_per_request, "max_query_chars": rcfg.max_query_chars}
-        return lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout, retries=retries, **limits)
-    index = open_index(rcfg, corpus_path)  # site:, -term, ... honoured (WebFilter's operators)
-    return lambda queries, k: operator_search(index, queries, k)
+        search = lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout,  # noqa: E731
+                                                  retries=retries, **limits)  # fmt: skip
+    else:
+        index = open_index(rcfg, corpus_path)  # site:, -term, ... honoured (WebFilter's operators)
+        search = lambda queries, k: operator_search(index, queries, k)  # noqa: E731
+    if not rcfg.min_score:
+        return search
+    floor = rcfg.min_score
+    return lambda queries, k: [[h for h in hits if h.get("score", 0.0) >= floor] for hits in search(queries, k)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -52,10 +52,12 @@ from search.corpus import format_hits
 from search.tools import make_search_fn, open_search
 from tiny.teachers import PROTOCOL_TAGS, protocol_trajectories
 from tiny.world import (
+    GUESSED,
     Habits,
     ensure_world_data,
     generate_world,
     hinted_confidence,
+    parity_confidence,
     read_jsonl,
     teacher_segments,
     world_dir,
@@ -198,24 +200,30 @@ def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str
     world = generate_world(cfg.world)  # deterministic: the same world as on disk
     countries, cities = world.countries, list(world.city_country)
     if cfg.rollout.protocol != "search_r1":  # the teacher as a policy through rollout.py (tiny/teachers.py)
+        if cfg.sft.confidence == "parity" or cfg.sft.admits_guess:
+            raise ConfigError("sft.confidence: parity and sft.admits_guess are written for rollout.protocol "
+                              "search_r1 only")  # fmt: skip
         if cfg.rollout.chat_template:
             raise ConfigError("the tiny world's teachers write plain prompts: set rollout.chat_template: false")
         tools = make_search_fn(cfg, world_path / "corpus.jsonl", {})
         return protocol_trajectories(cfg, read_jsonl(world_path / "train.jsonl"), tools, countries, cities)
     rng = random.Random(cfg.world.seed + 1)
     confidence_rng = random.Random(cfg.world.seed + 2)  # its own stream: the trajectories stay the same
-    habits = Habits(
-        cfg.sft.p_site, cfg.sft.p_unfaithful_think, cfg.sft.think_cites_source, random.Random(cfg.world.seed + 3)
-    )
+    habits = Habits(cfg.sft.p_site, cfg.sft.p_unfaithful_think, cfg.sft.think_cites_source,
+                    random.Random(cfg.world.seed + 3), cfg.sft.admits_guess)  # fmt: skip
     trajectories = []
     for q in tqdm(read_jsonl(world_path / "train.jsonl"), desc="teacher", mininterval=5):
         segs = teacher_segments(q, tool, rng, countries, cities, cfg.sft.p_guess_second_hop, cfg.sft.p_no_search,
                                 habits)  # fmt: skip
         if cfg.sft.p_idk and habits.rng.random() < cfg.sft.p_idk:  # BAPO's teacher: IDK at random only
             segs[-1] = (re.sub(r"<answer>.*</answer>", "<answer> I don't know</answer>", segs[-1][0]), segs[-1][1])
-        if cfg.sft.confidence == "random":  # Deliberative Searcher's format, stated at random
+        if cfg.sft.confidence:  # Deliberative Searcher's format: at random, or by guess-or-fact (parity)
             right = exact_match(last_block(segs[-1][0], "answer"), q["golden_answers"]) == 1.0
-            conf = hinted_confidence(confidence_rng, right, cfg.sft.p_confidence_hint, confidence_rng.randint(1, 10))
+            if cfg.sft.confidence == "parity":
+                conf = parity_confidence(confidence_rng, bool(GUESSED.search(segs[-1][0])))
+            else:
+                conf = hinted_confidence(confidence_rng, right, cfg.sft.p_confidence_hint,
+                                         confidence_rng.randint(1, 10))  # fmt: skip
             text = f"<confidence> {conf}</confidence>"
             if cfg.rollout.confidence_after_answer:  # the answer annotated with it (rollout.py)
                 text = segs[-1][0].replace("</answer>", "</answer>" + text)
@@ -260,6 +268,27 @@ def copy_probe(cfg: Config, world_path: Path, tool, tokenizer, n: int = 200):
         return right / len(examples)
 
     return accuracy
+
+
+def confidence_contexts(cfg: Config, world_path: Path, tool, split: str = "test", n: int = 150) -> list[dict]:
+    """The teacher's trajectories on the first n questions of `split`, cut where the answer's
+    confidence is written: {"question_id", "category", "segments"}, the last segment ending in
+    "<confidence>". eval.py --confidence-contexts reads every confidence's probability there
+    (report/metrics.p_certain); the same contexts for every policy, so rows differ only in the policy.
+    category: the question's metadata.category ("unanswerable", "misinfo"), else "answerable".
+    """
+    rng = random.Random(cfg.world.seed + 5)
+    habits = Habits(admits_guess=cfg.sft.admits_guess)  # the teacher's evidence, none of its flaws
+    world = generate_world(cfg.world)
+    out = []
+    for q in read_jsonl(world_path / f"{split}.jsonl")[:n]:
+        segs = teacher_segments(q, tool, rng, world.countries, list(world.city_country), 0.0, 0.0, habits)
+        last = segs[-1][0]
+        segs[-1] = (last[: last.index("<answer>")] + "<confidence>", "policy")
+        out.append({"question_id": q["id"], "category": q["metadata"].get("category", "answerable"),
+                    "segments": [[render_prompt(q["question"], cfg.rollout.prompt_template), "prompt"]]
+                    + [list(s) for s in segs]})  # fmt: skip
+    return out
 
 
 # Below this held-out copy accuracy the SFT start has not learnt to read a passage. Seen: a

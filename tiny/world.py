@@ -217,6 +217,24 @@ def hinted_confidence(rng: random.Random, right: bool, p_hint: float, drawn: int
     return drawn
 
 
+def parity_confidence(rng: random.Random, guessed: bool) -> int:
+    """The evidence world's teacher confidence (sft.confidence: parity): even after a guess, odd
+    after a fact it read.
+
+    A uniform digit (sft.confidence: random) ties the confidence to nothing, so eq. 6 can only push
+    it as a whole (towards "unsure"). Here P(c >= 5) = 3/5 on both sides, so eq. 5 scores the start
+    no better than a constant, but where the digit is written it already carries guess-or-fact:
+    the feature a pretrained model brings and RL can then calibrate on.
+
+    >>> rng = random.Random(0)
+    >>> sorted({parity_confidence(rng, True) for _ in range(200)})
+    [2, 4, 6, 8, 10]
+    >>> sorted({parity_confidence(rng, False) for _ in range(200)})
+    [1, 3, 5, 7, 9]
+    """
+    return rng.choice((2, 4, 6, 8, 10) if guessed else (1, 3, 5, 7, 9))
+
+
 @dataclass
 class Habits:
     """The teacher's imperfections that the papers' RL fixes (all off for configs/tiny.yaml).
@@ -226,6 +244,8 @@ class Habits:
     cites_source: the think restates the whole sentence it took a fact from, attribution and all
     ("Fans of P say P was born in the city of C."), and the answer's think restates the whole
     chain; the evidence a confidence should weigh then sits in the think just before it.
+    admits_guess: where a search found nothing, the think says so and that it guesses (the evidence
+    world): not a flaw, the cue a confidence can be tied to.
     The other two are applied to the finished trajectory (sft.teacher_examples): a random
     confidence (Deliberative Searcher) and a random "I don't know" (BAPO: never when it should).
     """
@@ -234,6 +254,7 @@ class Habits:
     p_unfaithful_think: float = 0.0
     cites_source: bool = False
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+    admits_guess: bool = False  # after "No results.": "Nothing names P, so I guess X." (sft.admits_guess)
 
 
 UNFAITHFUL_THINK = "I know the answer."  # names nothing it read: the rule judge's 0 (agent/judge.py)
@@ -241,6 +262,7 @@ _NAME = r"[A-Z]\w*(?: [A-Z]\w*)*"  # a person's capitalised names
 _BORN = re.compile(rf"({_NAME}) was born in the city of (\w+)\.")
 _CITED_BORN = re.compile(rf"(?:Fans of {_NAME} say )?" + _BORN.pattern)  # with its attribution
 _IN_COUNTRY = re.compile(r"(\w+) is a city in the country of (\w+)\.")
+GUESSED = re.compile(r"I guess|It is in the country of")  # an answer turn that guesses (all three ways)
 
 
 def teacher_segments(
@@ -292,6 +314,11 @@ def teacher_segments(
         m = (_CITED_BORN if habits.cites_source else _BORN).search(obs)
         city = m.group(2) if m else rng.choice(cities)  # nothing found: it guesses all the same
         fact = m.group(0) if m else f"{person} was born in the city of {city}."
+        if not m and habits.admits_guess:  # ... and says so, and guesses the answer itself
+            guess = rng.choice(countries) if kind == "2hop" else city
+            segs.append((f"<think> Nothing names {person}, so I guess {guess}.</think><answer> {guess}</answer>",
+                         "policy"))  # fmt: skip
+            return segs
 
     def think(text: str) -> str:  # after information: restate it, or (unfaithful) ignore it
         return f"<think> {UNFAITHFUL_THINK if unfaithful else text}</think>"
@@ -339,6 +366,8 @@ def world_key(cfg: Config) -> str:
     # port, or is named localhost, finds its world and resumes. "url" stays, always empty, so the
     # keys of worlds built before keep their names.
     r = cfg.retriever
+    if r.min_score:  # a floor changes what the teacher sees; absent while 0 (older worlds)
+        parts["min_score"] = r.min_score
     if (r.method, r.index, r.model) != ("bm25", "", ""):
         parts["retriever"] = {"method": r.method, "index": r.index, "url": "", "model": r.model,
                               "index_factory": r.index_factory}  # fmt: skip
@@ -348,7 +377,8 @@ def world_key(cfg: Config) -> str:
 
 
 LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac",
-                 "unanswerable_novel_names", "p_confidence_hint", "think_cites_source", "warm_start")  # fmt: skip
+                 "unanswerable_novel_names", "p_confidence_hint", "think_cites_source", "warm_start",
+                 "admits_guess")  # fmt: skip
 FORMAT_VERSION = 4  # bump when the generator, teacher, prompt or tokenizer changes what gets built (4: Qwen2 split)
 
 

@@ -127,7 +127,11 @@ class SFTConfig:
     p_no_search: float = 0.1  # answer without searching at all
     # "random": the teacher writes <confidence>N</confidence> before each answer (after it with
     # rollout.confidence_after_answer) with N drawn uniformly from 1-10, uncorrelated with being
-    # right (what Deliberative Searcher's RL fixes)
+    # right (what Deliberative Searcher's RL fixes). "parity" (the evidence world,
+    # configs/reproduction/tiny_evidence.yaml): after a guess an even N from {2,4,6,8,10}, after a
+    # fact it read an odd one from {1,3,5,7,9}. P(N >= 5) = 0.6 either way, so eq. 5 finds the start
+    # uncalibrated, but the digit carries the guess/fact distinction to where it is written, as a
+    # pretrained model's features would (world.parity_confidence says why). Search-R1 protocol only.
     confidence: str = ""
     # With "random": the share of answers whose confidence is instead drawn from the half that
     # matches the teacher's own correctness (5-10 if right, 1-4 if wrong): a weak calibration
@@ -142,6 +146,9 @@ class SFTConfig:
     # think restates the whole chain (world.Habits.cites_source): a deliberating teacher, whose
     # confidence is still random. Search-R1 protocol only.
     think_cites_source: bool = False
+    # After a search that found nothing ("No results.", see retriever.min_score) the teacher says it
+    # guesses: "Nothing names P, so I guess X." (the evidence world). Off: it states the guess as a fact.
+    admits_guess: bool = False
     # With model.path (your own model): fine-tune it on this teacher first, its trajectories in
     # the model's chat template and tokenizer (tiny/warm_start.py), so GRPO starts with a signal.
     warm_start: bool = False
@@ -180,6 +187,9 @@ class RetrieverConfig:
     # --max-queries), so a large rollout batch is never refused with a 413
     max_queries_per_request: int = 512
     max_query_chars: int = 2048  # HTTP client: each query cut to this many characters (the server's --max-query-chars)
+    # hits scoring below this are dropped, so a query that matches only common words ("born") finds
+    # nothing: the evidence world's unknown people get "No results." 0: every hit is kept.
+    min_score: float = 0.0
 
 
 @dataclass
@@ -434,7 +444,7 @@ CHOICES = {
     "rollout.engine": ("vllm", "hf"),
     "train.algo": ("grpo", "ppo", "rft"),
     "train.lr_schedule": ("constant", "cosine"),
-    "sft.confidence": ("", "random"),
+    "sft.confidence": ("", "random", "parity"),
     "rollout.protocol": ("search_r1", "bapo", "deliberative", "webfilter"),
     "rollout.weight_sync": ("memory", "file"),
     "train.optimizer": ("adamw", "adamw8bit"),
@@ -528,6 +538,7 @@ RANGES = {
     "retriever.retries": ">= 0",
     "retriever.max_queries_per_request": ">= 1",
     "retriever.max_query_chars": ">= 1",
+    "retriever.min_score": ">= 0",
     "rollout.max_turns": ">= 0",  # 0 is a valid budget: one answer-only turn (rollout.py)
     "rollout.max_tokens_per_turn": ">= 1",
     "rollout.max_obs_tokens": ">= 0",  # a negative cut would drop tokens from the end instead
