@@ -41,18 +41,19 @@ from pathlib import Path
 from agent.answers import parsed
 from agent.judge import make_judge
 from data import data_paths, starting_policy
-from report.metrics import compute_metrics, rejection_success_rate
+from report.metrics import CONFIDENCES, certainty_gap, compute_metrics, p_certain, rejection_success_rate
 from report.plots import main as curves_main
 from report.viewer import main as viewer_main
 from report.viewer import write_viewer
 from rewards import score, source_restricting
-from rollout import check_chat_template, render_prompt, rollout_batch
+from rollout import check_chat_template, render_prompt, rollout_batch, tokenize_segments
 from search.tools import check_retriever, make_search_fn
+from trainer.batching import continuation_logprobs
 from trainer.config import Config, ConfigError, DataError, load_config
 from trainer.engine import load_policy, load_tokenizer, make_engine
 from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
-from trainer.questions import benchmarks
+from trainer.questions import benchmarks, load_confidence_contexts
 
 MODES = ("direct", "cot", "rag", "agentic", "reliable")
 SEARCH_OFF = "Search is not available in this mode. Answer from what you know."
@@ -187,12 +188,25 @@ def write_outputs(out: Path, rows: dict, columns: list[str], records: dict, toke
     write_viewer(everything, out / "viewer.html", tokenizer=tokenizer, title=str(out))
 
 
+def confidence_readout(model_dir: Path, contexts: list[dict], cfg: Config, zeta: float) -> dict:
+    """The teacher-forced P(c >= zeta) of every context (all ten confidences, each as its whole
+    string) and their means per category with the gap (report/metrics.certainty_gap)."""
+    tokenizer, model = load_tokenizer(model_dir), load_policy(model_dir).eval()
+    ids = [tokenize_segments(tokenizer, [tuple(s) for s in c["segments"]], cfg.rollout.max_obs_tokens)[0]
+           for c in contexts]  # fmt: skip
+    values = [tokenizer.encode(f" {c}</confidence>", add_special_tokens=False) for c in CONFIDENCES]
+    logprobs = continuation_logprobs(model, ids, values, tokenizer.eos_token_id)
+    return certainty_gap([p_certain(lp, zeta) for lp in logprobs], [c["category"] for c in contexts])
+
+
 def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets: list[Path], columns: list[str],
-             out: Path, zeta: float = 5, judge=None, reference_row: str = "") -> dict:  # fmt: skip
+             out: Path, zeta: float = 5, judge=None, reference_row: str = "",
+             contexts: list[dict] | None = None) -> dict:  # fmt: skip
     """Each (label, model dir, modes) row spec on every dataset: one engine, weights swapped
     between models; writes the tables under `out` and returns rows[row name][dataset].
     judge: adds judge_acc (and judges correctness); reference_row: the row whose rollouts every
-    other row's "I don't know" answers are held against (BAPO's rejection success rate)."""
+    other row's "I don't know" answers are held against (BAPO's rejection success rate);
+    contexts: each row's confidence_readout on them joins every dataset's metrics of the row."""
     questions = benchmarks(datasets, cfg.eval.max_questions)  # FlashRAG folders / data_source: one each
     rows: dict[str, dict] = {}
     records: dict[tuple[str, str], list] = {}
@@ -208,12 +222,14 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
         else:
             engine.load_weights(load_policy(model_dir).state_dict().items())
         tokenizer = load_tokenizer(model_dir)
+        readout = confidence_readout(model_dir, contexts, cfg, zeta) if contexts else {}
         for mode in modes:
             name = label if len(modes) == 1 and label else f"{label} {mode}".strip()
             for dataset, qs in questions.items():
                 t0 = time.time()
                 recs = rollout_mode(mode, engine, tokenizer, qs, search_fn, cfg)
                 m = compute_metrics(recs, zeta=zeta, judge=judge) | summarize(recs) | {"seconds": time.time() - t0}
+                m |= readout  # the policy's, whatever the mode
                 rows.setdefault(name, {})[dataset] = m
                 records[(name.replace(" ", "_"), dataset)] = recs
                 shown = " ".join(f"{c} {m.get(c, float('nan')):.3f}" for c in columns)
@@ -275,6 +291,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output directory (default runs/eval-<time>)")
     parser.add_argument("--judge-url", default="", help="OpenAI-compatible judge server: adds judge_acc")
     parser.add_argument("--judge-model", default="", help="the judge server's model name")
+    parser.add_argument("--confidence-contexts", default="", metavar="FILE",
+                        help="jsonl of contexts cut where a confidence is written (tiny/sft.confidence_contexts): adds "
+                             "the teacher-forced P(c >= zeta) per category and their gap, certain_gap "
+                             "(report/metrics.p_certain)")  # fmt: skip
     parser.add_argument("--reference", default="",
                         help="row name whose rollouts the other rows' IDK answers are held against "
                              "(BAPO's rejection success rate, eq. 8)")  # fmt: skip
@@ -324,7 +344,11 @@ def main(argv: list[str] | None = None) -> None:
         judge = make_judge(args.judge_url, args.judge_model)
     spec = [(label, path, args.modes) for label, path in models]
     try:
-        rows = run_eval(cfg, spec, datasets, args.columns, out, args.zeta, judge, args.reference)
+        contexts = load_confidence_contexts(Path(args.confidence_contexts)) if args.confidence_contexts else None
+    except (DataError, FileNotFoundError) as e:
+        parser.error(str(e))
+    try:
+        rows = run_eval(cfg, spec, datasets, args.columns, out, args.zeta, judge, args.reference, contexts)
     except (ConfigError, DataError, FileNotFoundError) as e:  # e.g. chat_template on a base model's tokenizer
         sys.exit(f"error: {e}")
     print((out / "results.md").read_text())

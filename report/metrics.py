@@ -20,8 +20,11 @@ Keys, by paper (each defined, with a worked example, at its function):
   acc, judge_acc            N_c / N; correct = a judge's verdict if one is given (BAPO §3.1,
                             App. C.2; Deliberative Searcher §2.2's verifier), else EM; judge_acc
                             only with a judge                                                   correctness
-  ds_reliability, ds_false_certain, confidence_rate
+  ds_reliability, ds_false_certain, confidence_rate, ds_certain_right
                             Deliberative Searcher eq. 5 and §3.1 / Table 1 (Relib., FC%)     deliberative_metrics
+  p_certain_<category>, certain_gap
+                            teacher-forced P(c >= zeta) per question category, all ten
+                            confidences read as whole strings, and Δ          p_certain, certainty_gap
   bapo_prec, bapo_idk_rate, bapo_reliability     BAPO eq. 4 and eq. 7                       bapo_metrics
   bapo_rejection_success    BAPO eq. 8 (§5.6), against a second model's rollouts        rejection_success_rate
   ece, brier, auroc         calibration of the stated confidence c/10 (ECE: Guo et al.
@@ -119,6 +122,8 @@ def deliberative_metrics(records: list[dict], correct: Sequence[float], zeta: fl
                         false yet high-confidence responses"; Table 1's baselines have Relib. +
                         FC = 1.00 row after row, which holds only with FC over all answers)
       confidence_rate   share of rollouts that state a confidence (answers.Parsed.confidence)
+      ds_certain_right  share of the correct rollouts with c >= zeta: a low ds_false_certain bought
+                        by "always unsure" shows here (absent without a correct rollout)
     No confidence (absent, or not an integer 1..10): both comparisons with c are false, so the
     rollout is neither reliable nor false-certain. This is rewards.reliability's choice (0 without
     a confidence), so the mean of that reward equals ds_reliability, and a model cannot buy
@@ -126,17 +131,62 @@ def deliberative_metrics(records: list[dict], correct: Sequence[float], zeta: fl
 
     Example, zeta 5: (correct, 9) reliable; (correct, 3) not; (wrong, 8) not, false-certain;
     (wrong, 2) reliable; (correct, none) neither -> acc 3/5, ds_reliability 2/5,
-    ds_false_certain 1/5, confidence_rate 4/5.
+    ds_false_certain 1/5, confidence_rate 4/5, ds_certain_right 1/3.
     """
     conf = [parsed(r).confidence for r in records]
     reliable = [c is not None and (c >= zeta if ok else c < zeta) for c, ok in zip(conf, correct)]
     certain_wrong = [c is not None and c >= zeta and not ok for c, ok in zip(conf, correct)]
-    return {
+    out = {
         "acc": _mean(correct),
         "ds_reliability": _mean(reliable),
         "ds_false_certain": _mean(certain_wrong),
         "confidence_rate": _mean([c is not None for c in conf]),
     }
+    right = [c for c, ok in zip(conf, correct) if ok]
+    if right:
+        out["ds_certain_right"] = _mean([c is not None and c >= zeta for c in right])
+    return out
+
+
+CONFIDENCES = tuple(range(1, 11))  # Deliberative Searcher's scale (§2.1)
+
+
+def p_certain(logprobs: Sequence[float], zeta: float = 5) -> float:
+    """P(c >= zeta) from the teacher-forced log-probabilities of writing each confidence 1..10
+    (in CONFIDENCES order) at the same context, renormalised over the ten.
+
+    Every confidence counts as its whole string: with a tokenizer that splits digits (Qwen's, the
+    tiny world's) "10" is "1" then "0" and "1" is "1" then "</confidence>", so log p("10") =
+    log p("1") + log p("0" | "1"). Greedy decoding instead picks "1" and lets P("0" | "1") decide
+    between the most and the least sure answer: a coin flip that moves the greedy reliability by
+    tens of points with no change in what the model believes. This reads the belief itself.
+
+    Example: p(1) = 0.3, p(10) = 0.3, p(4) = 0.2, p(7) = 0.2 (the rest ~0) -> P(c >= 5) = 0.5.
+    >>> import math
+    >>> lp = [math.log(p) for p in (0.3, 1e-9, 1e-9, 0.2, 1e-9, 1e-9, 0.2, 1e-9, 1e-9, 0.3)]
+    >>> round(p_certain(lp), 3)
+    0.5
+    """
+    top = max(logprobs)
+    mass = [np.exp(lp - top) for lp in logprobs]
+    return float(sum(m for c, m in zip(CONFIDENCES, mass) if c >= zeta) / sum(mass))
+
+
+def certainty_gap(p: Sequence[float], categories: Sequence[str]) -> dict:
+    """The mean P(c >= zeta) per question category, and the gap between the answerable and the
+    unanswerable ones: Δ = P(certain | answerable) - P(certain | unanswerable).
+
+    A confidence that follows the evidence has Δ well above 0; one pushed up or down as a whole
+    moves both means and keeps Δ; a uniform or threshold-neutral digit has Δ near 0.
+    >>> certainty_gap([0.9, 0.7, 0.2, 0.4], ["answerable", "answerable", "unanswerable", "unanswerable"])
+    {'p_certain_answerable': 0.8, 'p_certain_unanswerable': 0.3, 'certain_gap': 0.5, 'n_contexts': 4}
+    """
+    out = {}
+    for category in sorted(set(categories)):
+        out[f"p_certain_{category}"] = round(_mean([x for x, c in zip(p, categories) if c == category]), 6)
+    if "p_certain_answerable" in out and "p_certain_unanswerable" in out:
+        out["certain_gap"] = round(out["p_certain_answerable"] - out["p_certain_unanswerable"], 6)
+    return out | {"n_contexts": len(p)}
 
 
 def bapo_metrics(records: list[dict], correct: Sequence[float]) -> dict:

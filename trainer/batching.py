@@ -7,7 +7,8 @@
   passes over a batch   which process forwards which micro-batch (balanced_micro_batches with
                         gradients, no_grad_runs without), the gradient accumulation over them
                         (accumulating), and the no-gradient passes whose rows every process
-                        gets (per_position, shared_per_position, batch_logprobs)
+                        gets (per_position, shared_per_position, batch_logprobs), and
+                        teacher-forced continuations (continuation_logprobs)
 
 One process or several: the collectives these call (all_reduce, gather_lists) are
 trainer/distributed.py's, which imports nothing of this file.
@@ -139,6 +140,30 @@ def min_padding_cuts(sorted_lengths: list[int], budget: int, max_padding: float 
 def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """log p(ids[:, t] | ids[:, :t]) for t >= 1, shape (B, T-1). Position t-1 predicts token t."""
     return selected_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
+
+
+@torch.no_grad()
+def continuation_logprobs(model, contexts: list[list[int]], continuations: list[list[int]], pad_id: int,
+                          rows_per_pass: int = 64) -> list[list[float]]:  # fmt: skip
+    """log p(continuation | context), summed over the continuation's tokens, for every context and
+    every continuation: out[i][j] for contexts[i] followed by continuations[j]. Teacher-forced, no
+    gradient, in passes of `rows_per_pass` sequences (report/metrics.p_certain reads confidences so).
+
+    contexts [[5, 6]] and continuations [[7], [8, 9]] -> [[log p(7|5 6), log p(8|5 6) + log p(9|5 6 8)]]
+    """
+    pairs = [(i, j) for i in range(len(contexts)) for j in range(len(continuations))]
+    out = [[0.0] * len(continuations) for _ in contexts]
+    device = next(model.parameters()).device
+    for at in range(0, len(pairs), rows_per_pass):
+        part = pairs[at : at + rows_per_pass]
+        seqs = [contexts[i] + continuations[j] for i, j in part]
+        marks = [[0] * len(contexts[i]) + [1] * len(continuations[j]) for i, j in part]
+        ids, attn, mask = pad_batch(seqs, marks, pad_id)
+        logp = token_logprobs(model, ids.to(device), attn.to(device)).float().cpu()
+        sums = (logp * mask[:, 1:]).sum(-1)
+        for (i, j), total in zip(part, sums.tolist()):
+            out[i][j] = total
+    return out
 
 
 @torch.no_grad()

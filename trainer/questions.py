@@ -225,3 +225,25 @@ def _prompt_text(prompt) -> str | None:
     if isinstance(prompt, list | tuple) and prompt and isinstance(prompt[-1], dict):
         return prompt[-1].get("content")
     return None
+
+
+def load_confidence_contexts(path: Path) -> list[dict]:
+    """eval.py --confidence-contexts: one context per line, {"category": "answerable", "segments":
+    [[text, role], ...]} with roles prompt / policy / obs and the last segment ending where the
+    confidence is written ("...</think><confidence>"); tiny/sft.confidence_contexts writes them.
+    A line that breaks this is a DataError naming the file and the line."""
+    out = []
+    for n, row in _read_jsonl_numbered(Path(path)):
+        segments = row.get("segments")
+        ok = isinstance(row.get("category"), str) and isinstance(segments, list) and segments and all(
+            isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and s[1] in ("prompt", "policy", "obs")
+            for s in segments)  # fmt: skip
+        if not ok:
+            raise DataError(f'{path}:{n}: a context needs "category" (text) and "segments" ([text, role] pairs, '
+                            "role prompt, policy or obs)")  # fmt: skip
+        if not segments[-1][0].endswith("<confidence>"):
+            raise DataError(f"{path}:{n}: the last segment must end in <confidence> (where the digit is written)")
+        out.append(row)
+    if not out:
+        raise DataError(f"{path}: no contexts")
+    return out
