@@ -79,6 +79,7 @@ import argparse
 import json
 import math
 import sys
+import zlib
 
 from agent import scoring
 from agent.answers import (
@@ -181,12 +182,27 @@ def reliability(record: dict, zeta: float = 5, acc: float | None = None, **_) ->
     return {"reward": r}
 
 
-def deliberative(record: dict, lam: float = 0.0, zeta: float = 5, acc_metric: str = "em", judge=None, **_) -> dict:
+def fair_coin(record: dict) -> float:
+    """0.0 or 1.0, a fair coin fixed by the rollout (its question, sample and text), so a resumed
+    run draws the same.
+
+    >>> fair_coin({"question_id": "q1", "sample": 0, "response_text": "x"}) in (0.0, 1.0)
+    True
+    """
+    key = f"{record.get('question_id')}|{record.get('sample')}|{record.get('response_text', '')}"
+    return float(zlib.crc32(key.encode()) & 1)
+
+
+def deliberative(record: dict, lam: float = 0.0, zeta: float = 5, acc_metric: str = "em", judge=None,
+                 coin: bool = False, **_) -> dict:  # fmt: skip
     """Deliberative Searcher eq. 6: r_format (0.1 r_format + 0.9 r_acc + lambda r_reliab).
 
     lambda comes from the trainer's dual update (0 during the warm-up quarter). r_acc is EM,
     F1 >= 0.5, or a judge's verdict (the paper uses a frozen LLM verifier) by `acc_metric`.
     The format requires a confidence 1..10 besides the structure.
+    coin: the shuffled-reliability control. r_reliab is scored against a fair coin drawn per
+    rollout instead of r_acc: the same reward variance on the digit, no information about
+    correctness (configs/reproduction/tiny_deliberative_shuffled.yaml). r_acc is unchanged.
     """
     p, golden = parsed(record), golden_of(record)
     r_format = float(p.format_ok and p.confidence is not None)
@@ -196,7 +212,7 @@ def deliberative(record: dict, lam: float = 0.0, zeta: float = 5, acc_metric: st
         r_acc = float(f1_score(p.answer, golden) >= 0.5)
     else:
         r_acc = exact_match(p.answer, golden)
-    r_rel = reliability(record, zeta, r_acc)["reward"]
+    r_rel = reliability(record, zeta, fair_coin(record) if coin else r_acc)["reward"]
     final = r_format * (0.1 * r_format + 0.9 * r_acc + lam * r_rel)
     return {"format": r_format, "acc": r_acc, "reliability": r_rel, "confidence": float(p.confidence or 0),
             "lambda": lam, "reward": final}  # fmt: skip

@@ -58,7 +58,7 @@ def test_well_formed_specs_keep_their_meaning():
 
 @pytest.mark.parametrize("spec, params, says", [
     ("deliberative", {"zetaa": 5}, ["'train.reward_params'", "'zetaa'", "'deliberative'", "did you mean 'zeta'",
-                                    "acc_metric, lam, zeta"]),
+                                    "acc_metric, coin, lam, zeta"]),
     ("0.5*em + 0.5*webfilter", {"alfa": 0.3}, ["'alfa'", "no reward of 'em', 'webfilter'", "alpha, beta"]),
     ("em", {"lam": 0.1}, ["'lam'", "reward 'em' does not take", "no parameters"]),
     ("bapo", {"stage": "plateu"}, ["'train.reward_params.stage'", "exploration, plateau", "'plateu'"]),

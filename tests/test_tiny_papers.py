@@ -312,7 +312,7 @@ def test_every_papers_row_shares_its_baselines_start():
     start = {row: world_dir(load_config(ROOT / config)) for row, config in RUNS.items()}
     for row in RUNS:
         assert start[row] == start[STARTS[START_OF[row]]], row
-    assert len(set(start.values())) == len(STARTS) == 2  # BAPO's start differs from the shared one
+    assert len(set(start.values())) == len(STARTS) == 3  # BAPO's and the Deliberative rows' starts are their own
 
 
 MICRO_PAPERS = [
@@ -338,21 +338,28 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     # 120 SFT steps, not 250: the starts still write think blocks (info_think is measured); the
     # wiring is what is checked, and the two starts' SFT was a third of this test's time
     sets = sum((["--set", s] for s in [*MICRO_PAPERS, "sft.steps=120", f"world.cache_dir={cache}"]), [])
-    rows = ["GRPO baseline (EM)", "BAPO", "WebFilter"]  # the Lagrangian's run: the protocol test below
+    rows = ["GRPO baseline (EM)", "BAPO", "WebFilter", "Deliberative: Lagrangian"]  # each start once
     cmd = [sys.executable, "reproduce.py", "--world", "papers", "--seeds", "0", "--only", *rows,
            "--out", str(tmp_path / "papers.md"), "--run-dir", str(tmp_path / "runs"), *sets]  # fmt: skip
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     report = (tmp_path / "papers.md").read_text()
     assert "## Acceptance (issue 7)" in report and "rule judge" in report
-    assert ' --only "GRPO baseline (EM)" "BAPO" "WebFilter"' in report.splitlines()[2]  # the command that ran
-    for row in rows + ["SFT start", "SFT start, boundary world"]:  # BAPO's rows: a start (and test split) of their own
+    assert ' --only "GRPO baseline (EM)" "BAPO" "WebFilter" "Deliberative: Lagrangian"' in report.splitlines()[2]
+    # BAPO's and the Deliberative rows: a start (and test split) of their own
+    for row in rows + ["SFT start", "SFT start, boundary world", "SFT start, evidence world"]:
         assert f"| {row} |" in report
     data = json.loads((tmp_path / "runs" / "tiny_papers.json").read_text())["rows"]
+    starts = ("start", "start-boundary", "start-evidence")
     evaluated = {start: json.loads((tmp_path / "runs" / "eval" / start / "command.json").read_text())
-                 for start in ("start", "start-boundary")}  # fmt: skip
+                 for start in starts}  # fmt: skip
     datasets = {start: Path(argv[argv.index("--datasets") + 1]) for start, argv in evaluated.items()}
-    assert datasets["start"].parent != datasets["start-boundary"].parent  # two worlds, two test splits
+    assert len({d.parent for d in datasets.values()}) == 3  # three worlds, three test splits
+    # the teacher-forced confidence, read at the evidence world's own contexts, and the per-seed lines
+    assert "--confidence-contexts" in evaluated["start-evidence"]
+    lagrangian = data["Deliberative: Lagrangian seed0"]
+    assert {"certain_gap", "p_certain_answerable", "p_certain_unanswerable", "best_constant"} <= set(lagrangian)
+    assert "| Deliberative: Lagrangian | Δ per seed " in report
     assert all((d.parent / "policy" / "DONE").is_file() for d in datasets.values())  # each start's own world
     webfilter = data["WebFilter seed0"]
     assert {"operator_use", "em_misinfo", "idk_unanswerable", "info_think", "ds_reliability"} <= set(webfilter)
@@ -368,8 +375,8 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("finished earlier") == len(rows) and "  started tiny-" not in again.stdout
-    assert again.stdout.count("evaluated earlier") == 2  # both starts' evaluations are kept too
-    assert again.stdout.count("built earlier") == 2  # and both starts, without a tiny.sft process
+    assert again.stdout.count("evaluated earlier") == 3  # every start's evaluation is kept too
+    assert again.stdout.count("built earlier") == 3  # and every start, without a tiny.sft process
 
 
 @pytest.mark.parametrize("protocol", ["bapo", "deliberative", "webfilter"])
@@ -411,13 +418,13 @@ def test_protocol_teachers_write_valid_trajectories_through_the_rollout_loop(ext
 def test_a_protocol_world_builds_and_trains_end_to_end(tmp_path):
     """World -> deliberative teacher through rollout.py -> tokenizer with the protocol's tags ->
     SFT -> one GRPO step with vLLM, search + read tools, the deliberative reward and its Lagrangian
-    (configs/reproduction/tiny_deliberative.yaml; a smoke run: 30 SFT steps teach nothing, the wiring is what
-    is checked)."""
+    (configs/reproduction/tiny_deliberative_uniform.yaml: the evidence world's teacher writes Search-R1's format
+    only; a smoke run: 30 SFT steps teach nothing, the wiring is what is checked)."""
     sets = [*MICRO_PAPERS, f"world.cache_dir={tmp_path / 'cache'}", "sft.steps=30", "rollout.protocol=deliberative",
             "rollout.max_turns=5", "rollout.prompt_template=", "train.steps=1",
             "train.eval_every=0",  # the step's own rollouts check the tools; validation adds nothing here
             f"train.run_dir={tmp_path / 'runs'}", "rollout.gpu_memory_utilization=0.1"]  # fmt: skip
-    cmd = [sys.executable, "train.py", "--config", "configs/reproduction/tiny_deliberative.yaml",
+    cmd = [sys.executable, "train.py", "--config", "configs/reproduction/tiny_deliberative_uniform.yaml",
            *sum((["--set", s] for s in sets), [])]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

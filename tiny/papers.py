@@ -1,28 +1,40 @@
 """Every paper's effect on the tiny world, from one command: train, evaluate, write
 results/tiny_papers.md with curves.
 
-    python reproduce.py --world papers                 # 9 configs x 3 seeds, 2 runs at a time
+    python reproduce.py --world papers                 # 11 configs x 3 seeds, 2 runs at a time
     python reproduce.py --world papers --seeds 0 --set train.steps=2 --out /tmp/papers.md  # smoke
 
-The runs start from two SFT policies (cached in cache/), each with its plain GRPO baseline:
+The runs start from three SFT policies (cached in cache/), each with its plain GRPO baseline:
 - configs/reproduction/tiny_papers.yaml: the tiny world with unanswerable and misinformation questions
   (tiny/world.py) and a Search-R1-format teacher that has each paper's flaw (world.Habits: random
   confidence, IDK only at random, site: rarely, a think that ignores what it read);
 - configs/reproduction/tiny_papers_boundary.yaml, the "boundary world" of BAPO's rows: a third of the
   questions ask about people no passage names (the search finds no namesake), no misinformation,
-  and the teacher's random IDK more often.
+  and the teacher's random IDK more often;
+- configs/reproduction/tiny_evidence.yaml, the "evidence world" of Deliberative Searcher's rows: half
+  the questions ask about people no passage names and their search finds nothing, the teacher says
+  when it guesses, and its confidence digit is threshold-neutral (world.parity_confidence; the
+  config says why the papers' world cannot show this paper's effect).
 Each paper's config changes the reward, nothing else, so every row is compared with the plain
 GRPO baseline (EM reward) from the same start:
 
   Search-R1              retrieved-token mask vs none (§3.1, Table 4)       tiny_search_r1_nomask.yaml
   Deliberative Searcher  Lagrangian reliability constraint (§2.1, Alg. 1)  tiny_deliberative.yaml
-                         and its fixed-lambda ablation (§3.2)               tiny_deliberative_fixed.yaml
-                         advantages by batch std / no std (with --only)     tiny_deliberative_{batch,none}std.yaml
+                         its fixed-lambda ablation (§3.2)                   tiny_deliberative_fixed.yaml
+                         eq. 6 against a fair coin (the shuffled control)   tiny_deliberative_shuffled.yaml
+                         on the papers' world (--only, the negative)        tiny_deliberative_uniform.yaml
+                         ... with advantages by batch std / no std          tiny_deliberative_{batch,none}std.yaml
   BAPO                   boundary-aware reward + modulator (eq. 3-6, §4.2) tiny_bapo.yaml
                          and the fixed +0.5-per-IDK ablation                tiny_bapo_fixed.yaml
   WebFilter              source-restricting reward (eq. 2-8)               tiny_webfilter.yaml
   VERITAS                info-think process reward (eq. 1)                 tiny_veritas.yaml
 
+Deliberative Searcher's confidence is read two ways on the held-out test split: greedy (reliability,
+false-certain) and teacher-forced, P(c >= 5) summed over all ten confidences at the teacher's own
+150 contexts per start (report/metrics.p_certain: greedy decoding of a digit-split "10" is a coin
+flip). Its acceptance is per seed (deliberative_acceptance). The tiny world writes one confidence,
+before the answer, not the paper's confidence per step with READ: one digit is what eq. 5-6 score
+c(s_T), the final answer's (§2.2), and per-step digits would carry no reward of their own.
 WebFilter's and VERITAS's judge is the tiny world's rule judge (judge.RuleJudge), and so is the
 faithfulness measurement of every row: it is not an LLM, and the report says so. Evaluation is
 greedy on the held-out test questions (people no SFT or RL question asked about). `--run-dir`
@@ -43,39 +55,53 @@ from pathlib import Path
 
 from report.plots import read_series
 from tiny.report import ROOT, build_start, finish_report, last_checkpoint, mean_spread, train_runs
-from tiny.world import world_dir
+from tiny.sft import confidence_contexts, world_search_tool
+from tiny.world import world_dir, write_jsonl
 from trainer.config import ConfigError, load_config
 from trainer.precision import machine
 from trainer.questions import benchmark_name
 
 BASELINE = "GRPO baseline (EM)"
 BOUNDARY_BASELINE = "GRPO baseline (EM), boundary world"
+EVIDENCE_BASELINE = "Deliberative: EM baseline"
+LAGRANGIAN, SHUFFLED = "Deliberative: Lagrangian", "Deliberative: shuffled control"
+FIXED_LAMBDA = "Deliberative: fixed λ = 0.1"
+UNIFORM = "Deliberative: Lagrangian, uniform teacher"
 RUNS = {  # row -> config
     BASELINE: "configs/reproduction/tiny_papers.yaml",
     BOUNDARY_BASELINE: "configs/reproduction/tiny_papers_boundary.yaml",
+    EVIDENCE_BASELINE: "configs/reproduction/tiny_evidence.yaml",
     "Search-R1: no retrieved-token mask": "configs/reproduction/tiny_search_r1_nomask.yaml",
-    "Deliberative: Lagrangian": "configs/reproduction/tiny_deliberative.yaml",
-    "Deliberative: fixed λ = 0.1": "configs/reproduction/tiny_deliberative_fixed.yaml",
-    # advantages normalised by the batch's std / by none: research rows, run only when named with
-    # --only (not in DEFAULT_ROWS); measured in results/deliberative_adv_std.md
-    "Deliberative: Lagrangian, batch std": "configs/reproduction/tiny_deliberative_batchstd.yaml",
-    "Deliberative: Lagrangian, no std": "configs/reproduction/tiny_deliberative_nonestd.yaml",
+    SHUFFLED: "configs/reproduction/tiny_deliberative_shuffled.yaml",
+    LAGRANGIAN: "configs/reproduction/tiny_deliberative.yaml",
+    FIXED_LAMBDA: "configs/reproduction/tiny_deliberative_fixed.yaml",
+    # the documented negative and its adv_std tries, on the papers' world whose teacher's confidence is
+    # uniform: research rows, run only when named with --only (results/deliberative_adv_std.md)
+    UNIFORM: "configs/reproduction/tiny_deliberative_uniform.yaml",
+    f"{UNIFORM}, batch std": "configs/reproduction/tiny_deliberative_batchstd.yaml",
+    f"{UNIFORM}, no std": "configs/reproduction/tiny_deliberative_nonestd.yaml",
     "BAPO": "configs/reproduction/tiny_bapo.yaml",
     "BAPO: fixed +0.5 per IDK": "configs/reproduction/tiny_bapo_fixed.yaml",
     "WebFilter": "configs/reproduction/tiny_webfilter.yaml",
     "VERITAS": "configs/reproduction/tiny_veritas.yaml",
 }
-DEFAULT_ROWS = [row for row in RUNS if not row.endswith(("batch std", "no std"))]  # what a plain call trains
-SFT_ROW, BOUNDARY_SFT_ROW = "SFT start", "SFT start, boundary world"
-STARTS = {SFT_ROW: BASELINE, BOUNDARY_SFT_ROW: BOUNDARY_BASELINE}  # an SFT start -> the baseline row that builds it
+DEFAULT_ROWS = [row for row in RUNS if not row.startswith(UNIFORM)]  # what a plain call trains
+SFT_ROW, BOUNDARY_SFT_ROW, EVIDENCE_SFT_ROW = "SFT start", "SFT start, boundary world", "SFT start, evidence world"
+# an SFT start -> the baseline row that builds it
+STARTS = {SFT_ROW: BASELINE, BOUNDARY_SFT_ROW: BOUNDARY_BASELINE, EVIDENCE_SFT_ROW: EVIDENCE_BASELINE}
+DELIBERATIVE_METRICS = [("certain_gap", "Δ = P(c≥5) answerable − unanswerable"),
+                        ("p_certain_answerable", "P(c≥5) answerable"), ("p_certain_unanswerable", "unanswerable"),
+                        ("ds_reliability", "greedy reliability"), ("best_constant", "max(acc, 1 − acc)"),
+                        ("ds_false_certain", "false-certain"), ("ds_certain_right", "c≥5 among right"),
+                        ("em", "EM")]  # fmt: skip
 # paper -> (its SFT start, rows, [(metric, label)], the validation series of its curve)
 PAPERS = {
     "Search-R1": (SFT_ROW, [BASELINE, "Search-R1: no retrieved-token mask"],
                   [("em", "EM"), ("em_2hop", "EM 2-hop"), ("searches_2hop", "searches / 2-hop q")], "em_2hop"),
-    "Deliberative Searcher": (SFT_ROW, [BASELINE, "Deliberative: Lagrangian", "Deliberative: fixed λ = 0.1",
-                                        "Deliberative: Lagrangian, batch std", "Deliberative: Lagrangian, no std"],
-                              [("ds_reliability", "reliability"), ("ds_false_certain", "false-certain"),
-                               ("em", "EM")], "ds_reliability"),
+    "Deliberative Searcher": (EVIDENCE_SFT_ROW, [EVIDENCE_BASELINE, SHUFFLED, LAGRANGIAN, FIXED_LAMBDA],
+                              DELIBERATIVE_METRICS, "ds_reliability"),
+    "Deliberative Searcher, uniform teacher": (SFT_ROW, [BASELINE, UNIFORM, f"{UNIFORM}, batch std",
+                                                         f"{UNIFORM}, no std"], DELIBERATIVE_METRICS, "ds_reliability"),
     "BAPO": (BOUNDARY_SFT_ROW, [BOUNDARY_BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"],
              [("idk_unanswerable", "IDK rate, unanswerable"), ("idk_answerable", "IDK rate, answerable"),
               ("em_answerable", "EM, answerable"), ("bapo_reliability", "BAPO reliability")], "idk_unanswerable"),
@@ -87,6 +113,7 @@ PAPERS = {
                 "info_think"),
 }  # fmt: skip
 START_OF = {row: start for start, rows, _, _ in PAPERS.values() for row in rows}
+CONTEXTS = 150  # teacher-forced confidence contexts per start (eval.py --confidence-contexts)
 
 
 def values(rows: dict, row: str, key: str) -> list[float]:
@@ -99,28 +126,47 @@ def mean(rows: dict, row: str, key: str) -> float:
     return statistics.mean(vs) if vs else float("nan")
 
 
-def deliberative_line(rows: dict, baseline: str, row: str) -> tuple[str, str, bool]:
-    """The Deliberative Searcher's line for one Lagrangian row: reliability up, false-certain down,
-    EM within 0.03 of the baseline."""
-    m = lambda r, key: mean(rows, r, key)  # noqa: E731
-    label = "Deliberative Searcher" + (f" ({row.split(', ', 1)[1]})" if ", " in row else "")
-    claim = (f"reliability {m(baseline, 'ds_reliability'):.3f} → {m(row, 'ds_reliability'):.3f}, false-certain "
-             f"{m(baseline, 'ds_false_certain'):.3f} → {m(row, 'ds_false_certain'):.3f}, EM {m(baseline, 'em'):.3f} "
-             f"→ {m(row, 'em'):.3f} (drop ≤ 0.03)")  # fmt: skip
-    met = (m(row, "ds_reliability") > m(baseline, "ds_reliability")
-           and m(row, "ds_false_certain") < m(baseline, "ds_false_certain")
-           and m(row, "em") >= m(baseline, "em") - 0.03)
-    return label, claim, met
+def deliberative_acceptance(rows: dict) -> list[tuple[str, str, bool]]:
+    """Deliberative Searcher's lines, every seed on its own (a mean would count the runs that flip
+    the whole confidence one way as half an effect): the start is not calibrated; the EM baseline
+    and the shuffled control leave the gap Δ near 0; the Lagrangian opens it, is reliable beyond a
+    constant answer, rarely certain when wrong while mostly certain when right, and keeps EM."""
+    def seeds(row: str, key: str) -> str:
+        return " / ".join(f"{v:.3f}" for v in values(rows, row, key))
+
+    def each(row: str, test) -> bool:
+        per = [per for name, per in rows.items() if name.rsplit(" seed", 1)[0] == row]
+        return bool(per) and all(test(p) for p in per)
+
+    gap, rel, best = "certain_gap", "ds_reliability", "best_constant"
+    start = EVIDENCE_SFT_ROW
+    out = [("Deliberative: SFT start", f"|Δ| {seeds(start, gap)} (≤ 0.05); greedy reliability {seeds(start, rel)} "
+            f"vs max(acc, 1 − acc) {seeds(start, best)} (≤ +0.05)",
+            each(start, lambda p: abs(p[gap]) <= 0.05 and p[rel] <= p[best] + 0.05))]  # fmt: skip
+    for row in (EVIDENCE_BASELINE, SHUFFLED):
+        out.append((row, f"|Δ| per seed {seeds(row, gap)} (≤ 0.15 each)", each(row, lambda p: abs(p[gap]) <= 0.15)))
+    row = LAGRANGIAN
+    out += [
+        (row, f"Δ per seed {seeds(row, gap)} (≥ 0.30 each)", each(row, lambda p: p[gap] >= 0.30)),
+        (row, f"greedy reliability {seeds(row, rel)} (≥ 0.85 and ≥ max(acc, 1 − acc) + 0.20: "
+              f"{seeds(row, best)})", each(row, lambda p: p[rel] >= 0.85 and p[rel] >= p[best] + 0.20)),
+        (row, f"greedy false-certain {seeds(row, 'ds_false_certain')} (≤ 0.05) with c ≥ 5 among right answers "
+              f"{seeds(row, 'ds_certain_right')} (≥ 0.80)",
+         each(row, lambda p: p["ds_false_certain"] <= 0.05 and p.get("ds_certain_right", 0) >= 0.80)),
+        (row, f"mean EM {mean(rows, row, 'em'):.3f} vs the EM baseline's {mean(rows, EVIDENCE_BASELINE, 'em'):.3f} "
+              "(drop ≤ 0.03)", mean(rows, row, "em") >= mean(rows, EVIDENCE_BASELINE, "em") - 0.03),
+    ]  # fmt: skip
+    return out
 
 
 def acceptance(rows: dict) -> list[tuple[str, str, bool]]:
-    """Issue 7's acceptance lines, each (paper, claim with its numbers, met?), from the means."""
+    """The acceptance lines, each (paper, claim with its numbers, met?): Deliberative Searcher's per
+    seed (deliberative_acceptance), the others from the means."""
     m = lambda row, key: mean(rows, row, key)  # noqa: E731
-    b, lag, bapo, fixed = BASELINE, "Deliberative: Lagrangian", "BAPO", "BAPO: fixed +0.5 per IDK"
-    db, bb = PAPERS["Deliberative Searcher"][1][0], PAPERS["BAPO"][1][0]  # each paper's baseline: its first row
-    lagrangian_rows = [lag] + [row for row in (f"{lag}, batch std", f"{lag}, no std") if values(rows, row, "em")]
+    b, bapo, fixed = BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"
+    bb = PAPERS["BAPO"][1][0]  # BAPO's baseline: its first row
     out = [
-        *(deliberative_line(rows, db, row) for row in lagrangian_rows),  # item 20's adv_std rows where run
+        *(deliberative_acceptance(rows) if values(rows, LAGRANGIAN, "em") else []),
         ("BAPO", f"IDK on unanswerable {m(bapo, 'idk_unanswerable'):.3f} (≥ 0.5; baseline "
          f"{m(bb, 'idk_unanswerable'):.3f}), EM on answerable {m(bb, 'em_answerable'):.3f} → "
          f"{m(bapo, 'em_answerable'):.3f} (drop ≤ 0.05)",
@@ -157,7 +203,7 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
     paths = []
     out_dir.mkdir(parents=True, exist_ok=True)
     for paper, (_, rows, _, key) in PAPERS.items():
-        extra = paper == "Deliberative Searcher"
+        extra = paper.startswith("Deliberative Searcher")
         fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(10 if extra else 5.5, 3.6), squeeze=False)
         ax = axes[0][0]
         for i, row in enumerate(rows):
@@ -182,7 +228,8 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
             ax.set(title="λ (solid) and training-batch reliability U (dotted); a = 0.9", xlabel="step")
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = out_dir / f"tiny_papers_{paper.split()[0].lower().replace('-', '')}.png"
+        slug = paper.split()[0].lower().replace("-", "") + ("_uniform" if paper.endswith("uniform teacher") else "")
+        path = out_dir / f"tiny_papers_{slug}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -235,17 +282,23 @@ def main(argv: list[str] | None = None) -> None:
     timings["training"] = time.time() - t0
     print("3/4 evaluating on the held-out test questions (rule judge for faithfulness) ...", flush=True)
     t0 = time.time()
-    columns = sorted({k for _, _, ms, _ in PAPERS.values() for k, _ in ms})
+    columns = sorted({k for _, _, ms, _ in PAPERS.values() for k, _ in ms} - {"best_constant"})  # that one: below
     rows, test_files = {}, {}
     for start in starts:  # each start on its own world's test split, in its own process (one vLLM engine each)
         models = [f"{start}={start_dir[start] / 'policy'}"]
         models += [f"{row} seed{seed}={last_checkpoint(info['run'])}" for (row, seed), info in done.items()
                    if START_OF[row] == start]  # fmt: skip
-        out = run_dir / "eval" / ("start" if start == SFT_ROW else "start-boundary")
+        out = run_dir / "eval" / {SFT_ROW: "start", BOUNDARY_SFT_ROW: "start-boundary"}.get(start, "start-evidence")
         test_files[start] = start_dir[start] / "test.jsonl"
         cmd = [sys.executable, "eval.py", "--config", RUNS[STARTS[start]], *sets,
                *sum((["--model", m] for m in models), []), "--datasets", str(test_files[start]),
                "--columns", *columns, "--judge-url", "rule", "--out", str(out)]  # fmt: skip
+        cfg = load_config(RUNS[STARTS[start]], args.set)
+        if cfg.sft.confidence:  # its teacher writes a confidence: read P(c >= 5) where it does
+            contexts = confidence_contexts(cfg, start_dir[start], world_search_tool(cfg, start_dir[start]),
+                                           "test", CONTEXTS)  # fmt: skip
+            write_jsonl(run_dir / "eval" / f"{out.name}-contexts.jsonl", contexts)
+            cmd += ["--confidence-contexts", str(run_dir / "eval" / f"{out.name}-contexts.jsonl")]
         # a re-run keeps a finished evaluation of the same models, as it keeps finished runs
         asked = json.dumps(cmd[2:])
         if (out / "results.json").exists() and (out / "command.json").exists() and (
@@ -256,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
             (out / "command.json").write_text(asked)
         held_out = benchmark_name(test_files[start])  # eval.py's column group of that file
         rows |= {name: per[held_out] for name, per in json.loads((out / "results.json").read_text()).items()}
+    for per in rows.values():  # the best reliability a constant confidence gets (all sure or all unsure)
+        per["best_constant"] = max(per["acc"], 1 - per["acc"])
     timings["evaluation"] = time.time() - t0
     print("4/4 curves and report ...", flush=True)
     out = Path(args.out)

@@ -13,7 +13,8 @@ boundary puts more IDK and less confidence on unanswerable contexts than on plai
 greedy evaluation only shows the result once the argmax flips, this shows the drift before.
 Measured (results/LOG.md): after 10 BAPO steps in the namesake world of 2026-11-22, idk 0.14 on
 unanswerable vs 0.15 on plain contexts (no separation); after 20 steps in the boundary world,
-0.89 vs 0.10.
+0.89 vs 0.10. Those contexts lacked the <information> tags (fixed 2026-11-27; LOG.md's entry of that
+day says which conclusions change). eval.py --confidence-contexts reads conf_ge5 the same way.
 """
 
 import argparse
@@ -24,48 +25,53 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def teacher_text(cfg, question: dict, tool, rng: random.Random) -> str:
-    """Prompt + the teacher's whole trajectory (no flaws: it believes what it reads; its thinks
-    cite their sources when the config's teacher does), ending with "<answer> X</answer>"."""
+def teacher_segments_before_answer(cfg, question: dict, tool, rng: random.Random) -> list[tuple[str, str]]:
+    """Prompt + the teacher's trajectory (no flaws: it believes what it reads; its thinks cite their
+    sources when the config's teacher does; it admits a guess when the config's does) as (text,
+    role) segments, cut right before "<answer>". The observations stay "obs" segments, so
+    rollout.tokenize_segments wraps them in the <information> tags the policy sees (joining the
+    texts, as this probe did before 2026-11-27, left the tags out)."""
     from rollout import render_prompt
     from tiny.world import Habits, teacher_segments
 
-    segs = teacher_segments(question, tool, rng, [], [], 0.0, 0.0, Habits(cites_source=cfg.sft.think_cites_source))
-    return render_prompt(question["question"], cfg.rollout.prompt_template) + "".join(s for s, _ in segs)
+    habits = Habits(cites_source=cfg.sft.think_cites_source, admits_guess=cfg.sft.admits_guess)
+    segs = teacher_segments(question, tool, rng, [], [], 0.0, 0.0, habits)
+    last = segs[-1][0]
+    segs[-1] = (last[: last.rindex("<answer>")], "policy")
+    return [(render_prompt(question["question"], cfg.rollout.prompt_template), "prompt")] + segs
 
 
 def probe(cfg, model_dir: Path, n: int = 150) -> dict[str, dict[str, float]]:
     """{category: {"n", "idk", "conf_ge5"}} for one model (see the module docstring)."""
-    import torch
+    import math
 
+    from report.metrics import CONFIDENCES, p_certain
+    from rollout import tokenize_segments
     from tiny.sft import world_search_tool
     from tiny.world import read_jsonl, world_dir
+    from trainer.batching import continuation_logprobs
     from trainer.engine import load_policy, load_tokenizer
 
     tool = world_search_tool(cfg, world_dir(cfg))
     rng = random.Random(0)  # the same contexts for every model
     tokenizer, model = load_tokenizer(model_dir), load_policy(model_dir).eval()
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-
-    @torch.no_grad()
-    def logprob(context: list[int], continuation: list[int]) -> float:
-        logits = model(input_ids=torch.tensor([context + continuation])).logits[0].float()
-        lp = torch.log_softmax(logits, -1)
-        return sum(lp[len(context) - 1 + i, t].item() for i, t in enumerate(continuation))
-
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    # every confidence as its whole string: "10" is "1" then "0" in a digit-splitting tokenizer
+    confidences = [encode(f" {k}</confidence>") for k in CONFIDENCES]
     sums: dict[str, dict[str, float]] = {}
     for q in read_jsonl(world_dir(cfg) / "val.jsonl")[:n]:
-        before = teacher_text(cfg, q, tool, rng)
-        before = before[: before.rindex("<answer>")]
-        answer_ctx = encode(before + "<confidence> 7</confidence><answer>")
-        idk = logprob(answer_ctx, encode(" I don't know")[:1])
-        conf_ctx = before + "<confidence>"
-        conf = torch.tensor([logprob(encode(conf_ctx), encode(conf_ctx + f" {k}</confidence>")[len(encode(conf_ctx)) :])
-                             for k in range(1, 11)]).softmax(0)  # fmt: skip
+        segs = teacher_segments_before_answer(cfg, q, tool, rng)
+        def ids(tail: str, segs=segs) -> list[int]:  # the context, its last turn cut at the answer, + tail
+            return tokenize_segments(tokenizer, segs[:-1] + [(segs[-1][0] + tail, "policy")],
+                                     cfg.rollout.max_obs_tokens)[0]  # fmt: skip
+
+        idk = continuation_logprobs(model, [ids("<confidence> 7</confidence><answer>")], [encode(" I don't know")[:1]],
+                                    tokenizer.eos_token_id)[0][0]  # fmt: skip
+        conf = p_certain(continuation_logprobs(model, [ids("<confidence>")], confidences, tokenizer.eos_token_id)[0])
         s = sums.setdefault(q["metadata"].get("category", "plain"), {"n": 0, "idk": 0.0, "conf_ge5": 0.0})
         s["n"] += 1
-        s["idk"] += float(torch.tensor(idk).exp())
-        s["conf_ge5"] += float(conf[4:].sum())
+        s["idk"] += math.exp(idk)
+        s["conf_ge5"] += conf
     return {cat: {"n": s["n"], "idk": s["idk"] / s["n"], "conf_ge5": s["conf_ge5"] / s["n"]} for cat, s in sums.items()}
 
 

@@ -3,7 +3,7 @@
     python benchmarks/probes/token_signal.py --config configs/reproduction/tiny_papers_boundary.yaml \
         --model cache/tiny-7078567a2759/policy --target conf --steps 60
 
-On teacher-forced contexts of the config's world (benchmarks/probes/boundary_probe.py's), only ONE
+On teacher-forced contexts of the config's world (as benchmarks/probes/boundary_probe.py's), only ONE
 token is trained, with the GRPO advantage of a perfect reward for it, nothing else:
   conf        the confidence digit right before the answer ("...</think><confidence>"):
               reward 1 for c < 5 on unanswerable questions, c >= 5 on answerable ones
@@ -17,6 +17,10 @@ divided as a 45-token response would be (train.py's token mean), one AdamW step.
 there, P(c < 5) or P(IDK). A token whose two numbers move apart learns the boundary; moving
 together means it learns a global shift.
 
+The confidence's first digit is trained among 2..9 ("1" begins both 1 and 10). Before 2026-11-27
+the contexts lacked the <information> tags, ended before the space that precedes the digit (so the
+token read was the one after "<confidence>", not the digit), and took "0" for 10: the numbers below
+come from that version, and results/LOG.md's entry of 2026-11-27 says what they can still support.
 Measured on the boundary start (results/LOG.md): idk separates by step 10 (0.85 vs 0.04);
 conf moves together (0.18 vs 0.17 at step 20) and separates only from step ~40; conf_after
 from step ~30. With --lr 1e-3, conf separates by step 10 (0.44 vs 0.07) and fully
@@ -37,21 +41,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 GROUP, QUESTIONS, RESPONSE_TOKENS = 8, 16, 45  # train.py's group_size / questions_per_step; a typical response
 
 
-def contexts(cfg, target: str, n: int) -> list[tuple[str, bool]]:
-    """(text, unanswerable?) of the first n training questions, cut where `target` is written."""
-    from boundary_probe import teacher_text
-
+def contexts(cfg, tokenizer, target: str, n: int) -> list[tuple[list[int], bool]]:
+    """(token ids, unanswerable?) of the first n training questions, cut where `target`'s token is
+    written: the observations in their <information> tags (rollout.tokenize_segments), and for a
+    confidence the space after "<confidence>" included, so the next token is the first digit."""
+    from rollout import render_prompt, tokenize_segments
     from tiny.sft import world_search_tool
-    from tiny.world import read_jsonl, world_dir
+    from tiny.world import Habits, read_jsonl, teacher_segments, world_dir
 
     tool, rng = world_search_tool(cfg, world_dir(cfg)), random.Random(0)
+    habits = Habits(cites_source=cfg.sft.think_cites_source, admits_guess=cfg.sft.admits_guess)
     out = []
     for q in read_jsonl(world_dir(cfg) / "train.jsonl")[:n]:
-        text = teacher_text(cfg, q, tool, rng)
-        before = text[: text.rindex("<answer>")]
-        cut = {"conf": before + "<confidence>", "conf_after": text + "<confidence>",
-               "idk": before + "<confidence> 7</confidence><answer>"}[target]  # fmt: skip
-        out.append((cut, q["metadata"].get("category") == "unanswerable"))
+        segs = teacher_segments(q, tool, rng, [], [], 0.0, 0.0, habits)  # no flaws: it believes what it reads
+        last = segs[-1][0]
+        cut = {"conf": last[: last.rindex("<answer>")] + "<confidence> ", "conf_after": last + "<confidence> ",
+               "idk": last[: last.rindex("<answer>")] + "<confidence> 7</confidence><answer>"}[target]  # fmt: skip
+        prompt = (render_prompt(q["question"], cfg.rollout.prompt_template), "prompt")
+        ids = tokenize_segments(tokenizer, [prompt, *segs[:-1], (cut, "policy")], cfg.rollout.max_obs_tokens)[0]
+        out.append((ids, q["metadata"].get("category") == "unanswerable"))
     return out
 
 
@@ -67,9 +75,12 @@ def run(cfg, model_dir: Path, target: str, steps: int, lr: float, n: int = 400,
     torch.manual_seed(0)
     tokenizer, model = load_tokenizer(model_dir), load_policy(model_dir)
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    data = [(encode(text), unanswerable) for text, unanswerable in contexts(cfg, target, n)]
+    data = contexts(cfg, tokenizer, target, n)
     train, held = data[: n * 4 // 5], data[n * 4 // 5 :]
-    digits = torch.tensor([encode(f"<confidence> {k}")[-1] for k in range(1, 11)])
+    # the first digit of 2..9: "1" is the first token of 1 and of 10 alike (a digit-splitting tokenizer;
+    # the token after it decides), so it is left out of the trained token's choices; until 2026-11-27
+    # the last token of " 10", "0", stood for 10
+    digits = torch.tensor([encode(str(k))[0] for k in range(2, 10)])
     idk = encode("<answer> I don't know")[len(encode("<answer>"))]
     if readout:
         for p in model.parameters():
@@ -86,7 +97,7 @@ def run(cfg, model_dir: Path, target: str, steps: int, lr: float, n: int = 400,
 
     def event_prob(logp):  # the rewarded event on unanswerable contexts
         p = logp.exp()
-        return p[:, digits[:4]].sum(1) / p[:, digits].sum(1) if target != "idk" else p[:, idk]
+        return p[:, digits[:3]].sum(1) / p[:, digits].sum(1) if target != "idk" else p[:, idk]  # 2-4 of 2-9
 
     def measure(step: int) -> tuple[int, float, float]:
         model.eval()
@@ -110,7 +121,7 @@ def run(cfg, model_dir: Path, target: str, steps: int, lr: float, n: int = 400,
                 lp = torch.where(said, logp[i, idk], torch.log1p(-logp[i, idk].exp().clamp(max=1 - 1e-6)))
             else:
                 k = torch.multinomial(logp[i, digits].softmax(0).detach(), GROUP, replacement=True)
-                reward = ((k < 4) == unanswerable).float()  # digits 1-4 are "unsure" (zeta = 5)
+                reward = ((k < 3) == unanswerable).float()  # digits 2-4 are "unsure" (zeta = 5)
                 lp = logp[i, digits[k]]
             adv = (reward - reward.mean()) / (reward.std() + 1e-6)
             loss = loss - (adv * lp).sum() / (QUESTIONS * GROUP * RESPONSE_TOKENS)
