@@ -140,12 +140,16 @@ def deliberative_acceptance(rows: dict) -> list[tuple[str, str, bool]]:
 
     gap, rel, best = "certain_gap", "ds_reliability", "best_constant"
     start = EVIDENCE_SFT_ROW
-    out = [("Deliberative: SFT start", f"|Δ| {seeds(start, gap)} (≤ 0.05); greedy reliability {seeds(start, rel)} "
+    out = [("Deliberative: SFT start", f"\\|Δ\\| {seeds(start, gap)} (≤ 0.05); greedy reliability {seeds(start, rel)} "
             f"vs max(acc, 1 − acc) {seeds(start, best)} (≤ +0.05)",
             each(start, lambda p: abs(p[gap]) <= 0.05 and p[rel] <= p[best] + 0.05))]  # fmt: skip
     for row in (EVIDENCE_BASELINE, SHUFFLED):
-        out.append((row, f"|Δ| per seed {seeds(row, gap)} (≤ 0.15 each)", each(row, lambda p: abs(p[gap]) <= 0.15)))
+        if values(rows, row, gap):
+            out.append((row, f"\\|Δ\\| per seed {seeds(row, gap)} (≤ 0.15 each)",
+                        each(row, lambda p: abs(p[gap]) <= 0.15)))  # fmt: skip
     row = LAGRANGIAN
+    if not values(rows, row, gap):
+        return out
     out += [
         (row, f"Δ per seed {seeds(row, gap)} (≥ 0.30 each)", each(row, lambda p: p[gap] >= 0.30)),
         (row, f"greedy reliability {seeds(row, rel)} (≥ 0.85 and ≥ max(acc, 1 − acc) + 0.20: "
@@ -166,7 +170,7 @@ def acceptance(rows: dict) -> list[tuple[str, str, bool]]:
     b, bapo, fixed = BASELINE, "BAPO", "BAPO: fixed +0.5 per IDK"
     bb = PAPERS["BAPO"][1][0]  # BAPO's baseline: its first row
     out = [
-        *(deliberative_acceptance(rows) if values(rows, LAGRANGIAN, "em") else []),
+        *(deliberative_acceptance(rows) if values(rows, EVIDENCE_SFT_ROW, "certain_gap") else []),
         ("BAPO", f"IDK on unanswerable {m(bapo, 'idk_unanswerable'):.3f} (≥ 0.5; baseline "
          f"{m(bb, 'idk_unanswerable'):.3f}), EM on answerable {m(bb, 'em_answerable'):.3f} → "
          f"{m(bapo, 'em_answerable'):.3f} (drop ≤ 0.05)",
@@ -191,9 +195,10 @@ def acceptance(rows: dict) -> list[tuple[str, str, bool]]:
     return out
 
 
-def draw_curves(done: dict, out_dir: Path) -> list[Path]:
-    """One PNG per paper: its validation metric against step, every seed of every row it compares
-    (thin), and for the Deliberative Searcher the multiplier lambda beside it."""
+def draw_curves(done: dict, out_dir: Path, stem: str = "tiny_papers") -> list[Path]:
+    """One PNG per paper whose rows ran, `<stem>_<paper>.png` (the report's own stem, so a partial
+    report never overwrites the full one's): its validation metric against step, every seed of every
+    row it compares (thin), and for the Deliberative Searcher the multiplier lambda beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -202,7 +207,10 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
     series = {key: read_series(info["run"]) for key, info in done.items()}
     paths = []
     out_dir.mkdir(parents=True, exist_ok=True)
+    ran = {row for row, _ in done}
     for paper, (_, rows, _, key) in PAPERS.items():
+        if not ran & set(rows):
+            continue
         extra = paper.startswith("Deliberative Searcher")
         fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(10 if extra else 5.5, 3.6), squeeze=False)
         ax = axes[0][0]
@@ -229,7 +237,7 @@ def draw_curves(done: dict, out_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         fig.tight_layout()
         slug = paper.split()[0].lower().replace("-", "") + ("_uniform" if paper.endswith("uniform teacher") else "")
-        path = out_dir / f"tiny_papers_{slug}.png"
+        path = out_dir / f"{stem}_{slug}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -314,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     timings["evaluation"] = time.time() - t0
     print("4/4 curves and report ...", flush=True)
     out = Path(args.out)
-    curves = draw_curves(done, out.parent / "curves")
+    curves = draw_curves(done, out.parent / "curves", out.stem)
     timings["total"] = time.time() - t_start
     write_report(out, args, rows, done, timings, curves, run_dir, test_files)
     print(out.read_text())
@@ -354,10 +362,14 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         "paper's rows start from the same SFT policy as its GRPO baseline, and change only the reward",
         "(configs/reproduction/tiny_<paper>.yaml). BAPO's rows start in the boundary world",
         "(configs/reproduction/tiny_papers_boundary.yaml: a third of the questions ask about people no",
-        "passage names, the teacher's random IDK 15%).",
+        "passage names, the teacher's random IDK 15%). Deliberative Searcher's rows start in the evidence world",
+        "(configs/reproduction/tiny_evidence.yaml: half the questions ask about people no passage names, whose",
+        "search finds nothing; the teacher says when it guesses, and its confidence digit is odd after a fact,",
+        "even after a guess, P(c ≥ 5) = 0.6 either way). Their P(c ≥ 5) is teacher-forced at the teacher's",
+        f"first {CONTEXTS} test contexts, every confidence 1–10 read as its whole string (report/metrics.p_certain).",
         "Faithfulness (info-think) and WebFilter's c are scored by the **rule judge** (judge.RuleJudge), not an LLM.",
         "",
-        "## Acceptance (issue 7), from the means below",
+        "## Acceptance: Deliberative Searcher's every seed, the others from the means below",
         "",
         "| paper | measured | met |",
         "|---|---|---|",

@@ -32,10 +32,12 @@ def teacher_segments_before_answer(cfg, question: dict, tool, rng: random.Random
     rollout.tokenize_segments wraps them in the <information> tags the policy sees (joining the
     texts, as this probe did before 2026-11-27, left the tags out)."""
     from rollout import render_prompt
-    from tiny.world import Habits, teacher_segments
+    from tiny.world import Habits, generate_world, teacher_segments
 
+    world = generate_world(cfg.world)  # its cities and countries: what a teacher finding nothing guesses from
     habits = Habits(cites_source=cfg.sft.think_cites_source, admits_guess=cfg.sft.admits_guess)
-    segs = teacher_segments(question, tool, rng, [], [], 0.0, 0.0, habits)
+    segs = teacher_segments(question, tool, rng, world.countries, list(world.city_country), 0.0,
+                            0.0, habits)  # fmt: skip
     last = segs[-1][0]
     segs[-1] = (last[: last.rindex("<answer>")], "policy")
     return [(render_prompt(question["question"], cfg.rollout.prompt_template), "prompt")] + segs

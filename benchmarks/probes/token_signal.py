@@ -47,13 +47,15 @@ def contexts(cfg, tokenizer, target: str, n: int) -> list[tuple[list[int], bool]
     confidence the space after "<confidence>" included, so the next token is the first digit."""
     from rollout import render_prompt, tokenize_segments
     from tiny.sft import world_search_tool
-    from tiny.world import Habits, read_jsonl, teacher_segments, world_dir
+    from tiny.world import Habits, generate_world, read_jsonl, teacher_segments, world_dir
 
     tool, rng = world_search_tool(cfg, world_dir(cfg)), random.Random(0)
     habits = Habits(cites_source=cfg.sft.think_cites_source, admits_guess=cfg.sft.admits_guess)
+    world = generate_world(cfg.world)  # its cities and countries: what a teacher finding nothing guesses from
     out = []
     for q in read_jsonl(world_dir(cfg) / "train.jsonl")[:n]:
-        segs = teacher_segments(q, tool, rng, [], [], 0.0, 0.0, habits)  # no flaws: it believes what it reads
+        # no flaws: it believes what it reads
+        segs = teacher_segments(q, tool, rng, world.countries, list(world.city_country), 0.0, 0.0, habits)
         last = segs[-1][0]
         cut = {"conf": last[: last.rindex("<answer>")] + "<confidence> ", "conf_after": last + "<confidence> ",
                "idk": last[: last.rindex("<answer>")] + "<confidence> 7</confidence><answer>"}[target]  # fmt: skip
