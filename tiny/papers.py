@@ -113,6 +113,18 @@ PAPERS = {
                 "info_think"),
 }  # fmt: skip
 START_OF = {row: start for start, rows, _, _ in PAPERS.values() for row in rows}
+NOTES = {  # read with a paper's table
+    "Deliberative Searcher": [
+        "Reading the table: the Lagrangian and the fixed λ = 0.1 rows agree. With advantages normalised per",
+        "group (GRPO's, as the paper's), a group that disagrees on the digit is scaled by its own std, so",
+        "λ's size hardly matters (the curves show λ beside U). The paper's Fig. 1 contrast (the fixed λ collapsing",
+        "to \"uncertain\") is therefore not a criterion on this world. The paper's own Table 1 reliability for",
+        "Deliberative Searcher-7B is 0.01–0.04 above the best constant, max(Acc, 1 − Acc), on each benchmark",
+        "(72B: 0.08–0.13). Greedy reliability can mislead: a digit-split \"10\" is \"1\" then \"0\", so greedy",
+        "decoding flips between the surest and the least sure answer. Δ, read teacher-forced over all ten",
+        "values, is the measure; the greedy columns are shown beside it.",
+    ],
+}
 CONTEXTS = 150  # teacher-forced confidence contexts per start (eval.py --confidence-contexts)
 
 
@@ -385,6 +397,7 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         for row in [start, *names]:
             lines.append(f"| {row} | " + " | ".join(mean_spread(values(rows, row, k)) if values(rows, row, k)
                                                      else "–" for k, _ in metrics) + " |")  # fmt: skip
+        lines += ["", *NOTES.get(paper, [])] if paper in NOTES else []
     lines += ["", "## Curves", ""]
     finish_report(out, lines, curves, run_dir, run_dir / "tiny_papers.json", {"timings": timings, "rows": rows})
 
