@@ -122,7 +122,9 @@ NOTES = {  # read with a paper's table
         "Deliberative Searcher-7B is 0.01–0.04 above the best constant, max(Acc, 1 − Acc), on each benchmark",
         "(72B: 0.08–0.13). Greedy reliability can mislead: a digit-split \"10\" is \"1\" then \"0\", so greedy",
         "decoding flips between the surest and the least sure answer. Δ, read teacher-forced over all ten",
-        "values, is the measure; the greedy columns are shown beside it.",
+        "values, is the measure; the greedy columns are shown beside it. The rows write one confidence, before",
+        "the answer, not the paper's confidence per step with READ: eq. 5 scores only c(s_T), the final",
+        "answer's (§2.2), so per-step digits would carry no reward of their own.",
     ],
 }
 CONTEXTS = 150  # teacher-forced confidence contexts per start (eval.py --confidence-contexts)
