@@ -41,7 +41,8 @@ The table (`REWARDS`), by paper, with the equation each implements:
                      (+ lambda_r if a gold answer is in a retrieved block); wrong & invalid ->
                      lambda_f (0.1); no answer & invalid -> 0
   deliberative       Deliberative Searcher eq. 5-6: r_format * (0.1 r_format + 0.9 r_acc +
-                     lambda r_reliab), r_reliab = (acc and c >= zeta) or (not acc and c < zeta)
+                     lambda r_reliab), r_reliab = (acc and c >= zeta) or (not acc and c < zeta);
+                     coin=True: r_reliab against a fair coin instead of acc (the shuffled control)
   webfilter          WebFilter eq. 6-8: -1 bad format; f = 0.4 z + 0.2 c + 0.4 R_f1 if non-zero;
                      else 0.1 if a query used an advanced operator (R_src, eq. 2-4); else 0
   bapo               BAPO eq. 3, 5, 6 (group-level): R_correct = char-F1 if valid format else -1;
