@@ -68,7 +68,7 @@ and a reward that comes out NaN or infinite stops the step (TrainingFault). Offl
 
     python rewards.py --reward bapo --input rollouts.jsonl --output scores.jsonl
 
-One file on purpose (about 530 lines, the contract above included): the papers' rewards side by
+One file on purpose (about 550 lines, the contract above included): the papers' rewards side by
 side in one table is what a reader compares and a fork edits; the parsing and the judge they
 share live in agent/, and so do BAPO's machinery around its reward (agent/bapo.py) and the
 per-step measures (agent/steps.py).

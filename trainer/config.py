@@ -21,7 +21,7 @@ Run `python -m trainer.config configs/tiny.yaml` to print the config, and
 precision keys print as `auto`: reading a config needs no torch, so the scripts resolve them for
 their machine (trainer/precision.py; `python -m trainer.precision` says what this one picks).
 
-One file on purpose (about 740 lines): every key beside its default, its allowed values
+One file on purpose (about 750 lines): every key beside its default, its allowed values
 (CHOICES) and its range (RANGES) is the reference a user reads; split, it would be three lists
 to keep in step. Its command line (the last ~50 lines) prints that reference: `--keys` reads the
 comments beside the fields, so it cannot drift from them.
