@@ -56,7 +56,7 @@ def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int]
     retries a server that is down or answers 5xx until `retriever.timeout` (`retriever.retries`
     0: never), then raises search.client.RetrieverError; a batch goes in requests of at most
     `retriever.max_queries_per_request` queries, each cut to `retriever.max_query_chars`. Hits scoring
-    below `retriever.min_score` are dropped (a hit without a score is kept only while it is 0)."""
+    below `retriever.min_score` are dropped (a hit without a score counts as 0)."""
     if rcfg.url:
         retries = 0 if rcfg.retries == 0 else None  # None: until the timeout (config.py says why)
         limits = {"max_queries": rcfg.max_queries_per_request, "max_query_chars": rcfg.max_query_chars}

@@ -188,7 +188,8 @@ class RetrieverConfig:
     max_queries_per_request: int = 512
     max_query_chars: int = 2048  # HTTP client: each query cut to this many characters (the server's --max-query-chars)
     # hits scoring below this are dropped, so a query that matches only common words ("born") finds
-    # nothing: the evidence world's unknown people get "No results." 0: every hit is kept.
+    # nothing: the evidence world's unknown people get "No results." 0: every hit is kept. The
+    # search_r1 and bapo protocols' search (search.tools.open_search), in process or over HTTP.
     min_score: float = 0.0
 
 
