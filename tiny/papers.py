@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     print("3/4 evaluating on the held-out test questions (rule judge for faithfulness) ...", flush=True)
     t0 = time.time()
     columns = sorted({k for _, _, ms, _ in PAPERS.values() for k, _ in ms} - {"best_constant"})  # that one: below
-    rows, test_files = {}, {}
+    rows, test_files, kept_evals = {}, {}, []
     for start in starts:  # each start on its own world's test split, in its own process (one vLLM engine each)
         models = [f"{start}={start_dir[start] / 'policy'}"]
         models += [f"{row} seed{seed}={last_checkpoint(info['run'])}" for (row, seed), info in done.items()
@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         if (out / "results.json").exists() and (out / "command.json").exists() and (
                 (out / "command.json").read_text() == asked):  # fmt: skip
             print(f"  {start}: evaluated earlier ({out})", flush=True)
+            kept_evals.append(start)
         else:
             subprocess.run(cmd, cwd=ROOT, check=True)
             (out / "command.json").write_text(asked)
@@ -338,12 +339,12 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     curves = draw_curves(done, out.parent / "curves", out.stem)
     timings["total"] = time.time() - t_start
-    write_report(out, args, rows, done, timings, curves, run_dir, test_files)
+    write_report(out, args, rows, done, timings, curves, run_dir, test_files, kept_evals)
     print(out.read_text())
 
 
 def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves: list[Path], run_dir: Path,
-                 test_files: dict[str, Path]) -> None:  # fmt: skip
+                 test_files: dict[str, Path], kept_evals: list[str] = ()) -> None:  # fmt: skip
     per_run = [info["minutes"] for info in done.values() if info["minutes"]]
     reused = sum(info["minutes"] for info in done.values() if info.get("earlier"))
     flags = ""
@@ -370,6 +371,8 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
             if reused
             else []
         ),
+        *([f"Evaluations kept from that call too ({', '.join(kept_evals)}): their time is not in the total."]
+          if kept_evals else []),  # fmt: skip
         "",
         f"Greedy evaluation on the first {held_out} held-out test questions of each start's world",
         "(`test.jsonl`: plain, unanswerable and misinformation questions, half 1-hop, half 2-hop). Each",
