@@ -360,6 +360,7 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     lagrangian = data["Deliberative: Lagrangian seed0"]
     assert {"certain_gap", "p_certain_answerable", "p_certain_unanswerable", "best_constant"} <= set(lagrangian)
     assert "| Deliberative: Lagrangian | Δ per seed " in report
+    assert "| BAPO | IDK on unanswerable " in report  # a line naming "unanswerable" is not taken for a nan
     assert all((d.parent / "policy" / "DONE").is_file() for d in datasets.values())  # each start's own world
     webfilter = data["WebFilter seed0"]
     assert {"operator_use", "em_misinfo", "idk_unanswerable", "info_think", "ds_reliability"} <= set(webfilter)
