@@ -315,6 +315,16 @@ def test_every_papers_row_shares_its_baselines_start():
     assert len(set(start.values())) == len(STARTS) == 3  # BAPO's and the Deliberative rows' starts are their own
 
 
+def test_a_partial_report_keeps_every_line_whose_rows_ran():
+    """Lines of rows not run (nan) are left out; BAPO's, which says "unanswerable", is kept."""
+    from tiny.papers import BOUNDARY_BASELINE, acceptance_shown
+
+    per = {"idk_unanswerable": 0.9, "idk_answerable": 0.03, "em_answerable": 0.9}
+    rows = {f"{BOUNDARY_BASELINE} seed0": per | {"idk_unanswerable": 0.0}, "BAPO seed0": per}
+    shown = [paper for paper, _, _ in acceptance_shown(rows)]
+    assert "BAPO" in shown and "WebFilter" not in shown and "VERITAS" not in shown, shown
+
+
 MICRO_PAPERS = [
     # the micro world of conftest.MICRO with the papers' extensions (world key of its own)
     "world.n_people=300", "world.n_cities=30", "world.n_countries=6", "world.n_val=20", "world.n_test=20",
@@ -360,7 +370,6 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     lagrangian = data["Deliberative: Lagrangian seed0"]
     assert {"certain_gap", "p_certain_answerable", "p_certain_unanswerable", "best_constant"} <= set(lagrangian)
     assert "| Deliberative: Lagrangian | Δ per seed " in report
-    assert "| BAPO | IDK on unanswerable " in report  # a line naming "unanswerable" is not taken for a nan
     assert all((d.parent / "policy" / "DONE").is_file() for d in datasets.values())  # each start's own world
     webfilter = data["WebFilter seed0"]
     assert {"operator_use", "em_misinfo", "idk_unanswerable", "info_think", "ds_reliability"} <= set(webfilter)
