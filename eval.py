@@ -188,10 +188,10 @@ def write_outputs(out: Path, rows: dict, columns: list[str], records: dict, toke
     write_viewer(everything, out / "viewer.html", tokenizer=tokenizer, title=str(out))
 
 
-def confidence_readout(model_dir: Path, contexts: list[dict], cfg: Config, zeta: float) -> dict:
+def confidence_readout(model_dir: Path, tokenizer, contexts: list[dict], cfg: Config, zeta: float) -> dict:
     """The teacher-forced P(c >= zeta) of every context (all ten confidences, each as its whole
     string) and their means per category with the gap (report/metrics.certainty_gap)."""
-    tokenizer, model = load_tokenizer(model_dir), load_policy(model_dir).eval()
+    model = load_policy(model_dir).eval()
     ids = [tokenize_segments(tokenizer, [tuple(s) for s in c["segments"]], cfg.rollout.max_obs_tokens)[0]
            for c in contexts]  # fmt: skip
     values = [tokenizer.encode(f" {c}</confidence>", add_special_tokens=False) for c in CONFIDENCES]
@@ -222,7 +222,7 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
         else:
             engine.load_weights(load_policy(model_dir).state_dict().items())
         tokenizer = load_tokenizer(model_dir)
-        readout = confidence_readout(model_dir, contexts, cfg, zeta) if contexts else {}
+        readout = confidence_readout(model_dir, tokenizer, contexts, cfg, zeta) if contexts else {}
         for mode in modes:
             name = label if len(modes) == 1 and label else f"{label} {mode}".strip()
             for dataset, qs in questions.items():

@@ -167,7 +167,7 @@ def test_the_readout_takes_every_confidence_as_its_whole_string(evidence, tmp_pa
                 logp = torch.log_softmax(model(input_ids=torch.tensor([context + value])).logits[0].float(), -1)
                 alone = sum(logp[len(context) - 1 + t, tok].item() for t, tok in enumerate(value))
                 assert batched[i][j] == pytest.approx(alone, abs=1e-4), (i, j)
-    readout = confidence_readout(model_dir, contexts, cfg, 5)
+    readout = confidence_readout(model_dir, tokenizer, contexts, cfg, 5)
     p = [metrics.p_certain(row) for row in batched]
     cats = [c["category"] for c in contexts]
     mean = lambda cat: sum(x for x, c in zip(p, cats) if c == cat) / cats.count(cat)  # noqa: E731

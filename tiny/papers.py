@@ -32,9 +32,8 @@ GRPO baseline (EM reward) from the same start:
 Deliberative Searcher's confidence is read two ways on the held-out test split: greedy (reliability,
 false-certain) and teacher-forced, P(c >= 5) summed over all ten confidences at the teacher's own
 150 contexts per start (report/metrics.p_certain: greedy decoding of a digit-split "10" is a coin
-flip). Its acceptance is per seed (deliberative_acceptance). The tiny world writes one confidence,
-before the answer, not the paper's confidence per step with READ: one digit is what eq. 5-6 score
-c(s_T), the final answer's (§2.2), and per-step digits would carry no reward of their own.
+flip). Its acceptance is per seed (deliberative_acceptance); why one confidence and not the
+paper's one per step with READ: NOTES, which the report prints beside the table.
 WebFilter's and VERITAS's judge is the tiny world's rule judge (judge.RuleJudge), and so is the
 faithfulness measurement of every row: it is not an LLM, and the report says so. Evaluation is
 greedy on the held-out test questions (people no SFT or RL question asked about). `--run-dir`
@@ -131,9 +130,14 @@ NOTES = {  # read with a paper's table
 CONTEXTS = 150  # teacher-forced confidence contexts per start (eval.py --confidence-contexts)
 
 
+def seed_rows(rows: dict, row: str) -> list[dict]:
+    """The metrics of every seed of a row (one dict for the SFT start)."""
+    return [per for name, per in rows.items() if name.rsplit(" seed", 1)[0] == row]
+
+
 def values(rows: dict, row: str, key: str) -> list[float]:
     """The metric of every seed of a row (one value for the SFT start)."""
-    return [per[key] for name, per in rows.items() if name.rsplit(" seed", 1)[0] == row and key in per]
+    return [per[key] for per in seed_rows(rows, row) if key in per]
 
 
 def mean(rows: dict, row: str, key: str) -> float:
@@ -150,7 +154,7 @@ def deliberative_acceptance(rows: dict) -> list[tuple[str, str, bool]]:
         return " / ".join(f"{v:.3f}" for v in values(rows, row, key))
 
     def each(row: str, test) -> bool:
-        per = [per for name, per in rows.items() if name.rsplit(" seed", 1)[0] == row]
+        per = seed_rows(rows, row)
         return bool(per) and all(test(p) for p in per)
 
     gap, rel, best = "certain_gap", "ds_reliability", "best_constant"
