@@ -41,7 +41,14 @@ from pathlib import Path
 from agent.answers import parsed
 from agent.judge import make_judge
 from data import data_paths, starting_policy
-from report.metrics import CONFIDENCES, certainty_gap, compute_metrics, p_certain, rejection_success_rate
+from report.metrics import (
+    CONFIDENCES,
+    certainty_gap,
+    compute_metrics,
+    p_certain,
+    rejection_success_rate,
+    unfaithful_share,
+)
 from report.plots import main as curves_main
 from report.viewer import main as viewer_main
 from report.viewer import write_viewer
@@ -53,7 +60,7 @@ from trainer.config import Config, ConfigError, DataError, load_config
 from trainer.engine import load_policy, load_tokenizer, make_engine
 from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
-from trainer.questions import benchmarks, load_confidence_contexts
+from trainer.questions import benchmarks, load_confidence_contexts, load_think_contexts
 
 MODES = ("direct", "cot", "rag", "agentic", "reliable")
 SEARCH_OFF = "Search is not available in this mode. Answer from what you know."
@@ -188,25 +195,44 @@ def write_outputs(out: Path, rows: dict, columns: list[str], records: dict, toke
     write_viewer(everything, out / "viewer.html", tokenizer=tokenizer, title=str(out))
 
 
-def confidence_readout(model_dir: Path, tokenizer, contexts: list[dict], cfg: Config, zeta: float) -> dict:
-    """The teacher-forced P(c >= zeta) of every context (all ten confidences, each as its whole
-    string) and their means per category with the gap (report/metrics.certainty_gap)."""
+def teacher_forced_readout(model_dir: Path, tokenizer, cfg: Config, zeta: float, confidence: list[dict] | None,
+                           think: list[dict] | None) -> dict:  # fmt: skip
+    """What the policy believes at the teacher's own contexts, read teacher-forced:
+    confidence contexts -> P(c >= zeta) (all ten confidences, each as its whole string), its means
+    per category and the gap (report/metrics.certainty_gap); think contexts -> the probability of
+    the unfaithful think (report/metrics.unfaithful_share)."""
+    if not confidence and not think:
+        return {}
     model = load_policy(model_dir).eval()
-    ids = [tokenize_segments(tokenizer, [tuple(s) for s in c["segments"]], cfg.rollout.max_obs_tokens)[0]
-           for c in contexts]  # fmt: skip
-    values = [tokenizer.encode(f" {c}</confidence>", add_special_tokens=False) for c in CONFIDENCES]
-    logprobs = continuation_logprobs(model, ids, values, tokenizer.eos_token_id)
-    return certainty_gap([p_certain(lp, zeta) for lp in logprobs], [c["category"] for c in contexts])
+
+    def token_ids(contexts: list[dict]) -> list[list[int]]:
+        return [tokenize_segments(tokenizer, [tuple(s) for s in c["segments"]], cfg.rollout.max_obs_tokens)[0]
+                for c in contexts]  # fmt: skip
+
+    out = {}
+    if confidence:
+        values = [tokenizer.encode(f" {c}</confidence>", add_special_tokens=False) for c in CONFIDENCES]
+        logprobs = continuation_logprobs(model, token_ids(confidence), values, tokenizer.eos_token_id)
+        out |= certainty_gap([p_certain(lp, zeta) for lp in logprobs], [c["category"] for c in confidence])
+    if think:
+        logprobs = []
+        for text in dict.fromkeys(c["unfaithful"] for c in think):  # one pass per distinct think (one, here)
+            same = [c for c in think if c["unfaithful"] == text]
+            cont = [tokenizer.encode(text, add_special_tokens=False)]
+            logprobs += [lp[0] for lp in continuation_logprobs(model, token_ids(same), cont, tokenizer.eos_token_id)]
+        out |= unfaithful_share(logprobs)
+    return out
 
 
 def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets: list[Path], columns: list[str],
              out: Path, zeta: float = 5, judge=None, reference_row: str = "",
-             contexts: list[dict] | None = None) -> dict:  # fmt: skip
+             contexts: list[dict] | None = None, think_contexts: list[dict] | None = None) -> dict:  # fmt: skip
     """Each (label, model dir, modes) row spec on every dataset: one engine, weights swapped
     between models; writes the tables under `out` and returns rows[row name][dataset].
     judge: adds judge_acc (and judges correctness); reference_row: the row whose rollouts every
     other row's "I don't know" answers are held against (BAPO's rejection success rate);
-    contexts: each row's confidence_readout on them joins every dataset's metrics of the row."""
+    contexts, think_contexts: each row's teacher_forced_readout on them joins every dataset's metrics
+    of the row."""
     questions = benchmarks(datasets, cfg.eval.max_questions)  # FlashRAG folders / data_source: one each
     rows: dict[str, dict] = {}
     records: dict[tuple[str, str], list] = {}
@@ -222,7 +248,7 @@ def run_eval(cfg: Config, rows_spec: list[tuple[str, Path, list[str]]], datasets
         else:
             engine.load_weights(load_policy(model_dir).state_dict().items())
         tokenizer = load_tokenizer(model_dir)
-        readout = confidence_readout(model_dir, tokenizer, contexts, cfg, zeta) if contexts else {}
+        readout = teacher_forced_readout(model_dir, tokenizer, cfg, zeta, contexts, think_contexts)
         for mode in modes:
             name = label if len(modes) == 1 and label else f"{label} {mode}".strip()
             for dataset, qs in questions.items():
@@ -295,6 +321,10 @@ def make_parser() -> argparse.ArgumentParser:
                         help="jsonl of contexts cut where a confidence is written (tiny/sft.confidence_contexts): adds "
                              "the teacher-forced P(c >= zeta) per category and their gap, certain_gap "
                              "(report/metrics.p_certain)")  # fmt: skip
+    parser.add_argument("--think-contexts", default="", metavar="FILE",
+                        help="jsonl of contexts cut where the answer's think begins, each with its unfaithful "
+                             "think (tiny/sft.think_contexts): adds p_unfaithful_think, the teacher-forced "
+                             "probability of that think (report/metrics.unfaithful_share)")  # fmt: skip
     parser.add_argument("--reference", default="",
                         help="row name whose rollouts the other rows' IDK answers are held against "
                              "(BAPO's rejection success rate, eq. 8)")  # fmt: skip
@@ -345,10 +375,12 @@ def main(argv: list[str] | None = None) -> None:
     spec = [(label, path, args.modes) for label, path in models]
     try:
         contexts = load_confidence_contexts(Path(args.confidence_contexts)) if args.confidence_contexts else None
+        think_contexts = load_think_contexts(Path(args.think_contexts)) if args.think_contexts else None
     except (DataError, FileNotFoundError) as e:
         parser.error(str(e))
     try:
-        rows = run_eval(cfg, spec, datasets, args.columns, out, args.zeta, judge, args.reference, contexts)
+        rows = run_eval(cfg, spec, datasets, args.columns, out, args.zeta, judge, args.reference, contexts,
+                        think_contexts)  # fmt: skip
     except (ConfigError, DataError, FileNotFoundError) as e:  # e.g. chat_template on a base model's tokenizer
         sys.exit(f"error: {e}")
     print((out / "results.md").read_text())

@@ -30,6 +30,8 @@ Keys, by paper (each defined, with a worked example, at its function):
   ece, brier, auroc         calibration of the stated confidence c/10 (ECE: Guo et al.
                             2017, 15 bins)                                                 calibration_metrics
   think_answer, info_think, think_search         VERITAS §3.2-3.3                        faithfulness_metrics
+  p_unfaithful_think        teacher-forced P(the teacher's unfaithful think) where the answer's
+                            think begins, the mean over contexts                         unfaithful_share
   searches, reads, operator_use, turns, response_tokens, format_violation               behaviour_metrics
   judge_failures            verdicts the judge failed to give (its on_failure="zero" policy)
 """
@@ -170,6 +172,21 @@ def p_certain(logprobs: Sequence[float], zeta: float = 5) -> float:
     top = max(logprobs)
     mass = [np.exp(lp - top) for lp in logprobs]
     return float(sum(m for c, m in zip(CONFIDENCES, mass) if c >= zeta) / sum(mass))
+
+
+def unfaithful_share(logprobs: Sequence[float]) -> dict:
+    """The mean teacher-forced probability of the unfaithful think (one log-probability per
+    context: log p(" I know the answer.</think>" | the trajectory up to "<think>")).
+
+    Greedy info-think (faithfulness_metrics) counts the likelier think only: a policy that thinks
+    unfaithfully 30% of the time at every context scores 1.0, as does one at 1%. This reads the
+    rate itself, so RL that makes the flaw rarer shows before it changes the mode (VERITAS eq. 1
+    against EM alone). Example: p = 0.3, 0.1, 0.02, 0.02 -> 0.11.
+    >>> import math
+    >>> unfaithful_share([math.log(p) for p in (0.3, 0.1, 0.02, 0.02)])
+    {'p_unfaithful_think': 0.11, 'n_think_contexts': 4}
+    """
+    return {"p_unfaithful_think": round(float(np.mean(np.exp(logprobs))), 6), "n_think_contexts": len(logprobs)}
 
 
 def certainty_gap(p: Sequence[float], categories: Sequence[str]) -> dict:

@@ -22,7 +22,7 @@ from tiny import papers  # noqa: E402
 from tiny.world import GUESSED, ensure_world_data, world_key  # noqa: E402
 from trainer.config import ConfigError, DataError, load_config  # noqa: E402
 from trainer.precision import resolve as resolve_precision  # noqa: E402
-from trainer.questions import load_confidence_contexts  # noqa: E402
+from trainer.questions import load_confidence_contexts, load_think_contexts  # noqa: E402
 
 EVIDENCE = ROOT / "configs/reproduction/tiny_evidence.yaml"
 # the evidence world at the micro size (tests/conftest.MICRO's), so it builds in seconds
@@ -143,7 +143,7 @@ def test_the_readout_takes_every_confidence_as_its_whole_string(evidence, tmp_pa
     alone; the batched, padded computation equals a forward of each whole sequence."""
     import torch
 
-    from eval import confidence_readout
+    from eval import teacher_forced_readout
     from rollout import tokenize_segments
     from tiny.sft import confidence_contexts
     from trainer.batching import continuation_logprobs
@@ -167,12 +167,45 @@ def test_the_readout_takes_every_confidence_as_its_whole_string(evidence, tmp_pa
                 logp = torch.log_softmax(model(input_ids=torch.tensor([context + value])).logits[0].float(), -1)
                 alone = sum(logp[len(context) - 1 + t, tok].item() for t, tok in enumerate(value))
                 assert batched[i][j] == pytest.approx(alone, abs=1e-4), (i, j)
-    readout = confidence_readout(model_dir, tokenizer, contexts, cfg, 5)
+    readout = teacher_forced_readout(model_dir, tokenizer, cfg, 5, contexts, None)
     p = [metrics.p_certain(row) for row in batched]
     cats = [c["category"] for c in contexts]
     mean = lambda cat: sum(x for x, c in zip(p, cats) if c == cat) / cats.count(cat)  # noqa: E731
     assert readout["certain_gap"] == pytest.approx(mean("answerable") - mean("unanswerable"), abs=1e-5)
     assert readout["n_contexts"] == 8 and 0 < readout["p_certain_answerable"] < 1
+
+
+def test_the_think_readout_reads_the_unfaithful_think_where_the_answers_think_begins(evidence, tmp_path):
+    """VERITAS's flaw read as a probability: the contexts end at "<think>" on a token boundary of
+    the teacher's own string, and p_unfaithful_think is the mean of p(" I know the answer.</think>")
+    there, computed alongside the confidence readout from one loaded model."""
+    import torch
+
+    from eval import teacher_forced_readout
+    from rollout import tokenize_segments
+    from tiny.sft import confidence_contexts, think_contexts
+    from trainer.engine import load_policy, load_tokenizer
+
+    cfg, path, tool = evidence
+    model_dir = _model_dir(cfg, path, tmp_path / "policy")
+    tokenizer, model = load_tokenizer(model_dir), load_policy(model_dir).eval()
+    contexts = think_contexts(cfg, path, tool, "test", 6)
+    assert all(c["segments"][-1] == ["<think>", "policy"] and c["segments"][-2][1] == "obs" for c in contexts)
+    assert {c["unfaithful"] for c in contexts} == {" I know the answer.</think>"}
+    cont = tokenizer.encode(" I know the answer.</think>", add_special_tokens=False)
+    probs = []
+    with torch.no_grad():
+        for c in contexts:
+            context = tokenize_segments(tokenizer, [tuple(s) for s in c["segments"]])[0]
+            whole = [tuple(s) for s in c["segments"][:-1]] + [("<think> I know the answer.</think>", "policy")]
+            assert tokenize_segments(tokenizer, whole)[0] == context + cont  # as SFT tokenised the teacher
+            logp = torch.log_softmax(model(input_ids=torch.tensor([context + cont])).logits[0].float(), -1)
+            probs.append(math.exp(sum(logp[len(context) - 1 + t, tok].item() for t, tok in enumerate(cont))))
+    both = teacher_forced_readout(model_dir, tokenizer, cfg, 5, confidence_contexts(cfg, path, tool, "test", 4),
+                                  contexts)  # fmt: skip
+    assert both["p_unfaithful_think"] == pytest.approx(sum(probs) / len(probs), rel=1e-4)
+    assert both["n_think_contexts"] == 6 and both["n_contexts"] == 4 and "certain_gap" in both
+    assert teacher_forced_readout(model_dir, tokenizer, cfg, 5, None, None) == {}
 
 
 def test_the_shuffled_control_scores_the_digit_against_a_coin_not_correctness():
@@ -224,6 +257,12 @@ def test_a_bad_contexts_file_is_one_line_naming_file_and_line_before_any_engine(
     cut.write_text(json.dumps(good | {"segments": [["Question: x\n", "prompt"], ["<think> a</think>", "policy"]]}))
     with pytest.raises(DataError, match=rf"{cut}:1: the last segment must end in <confidence>"):
         load_confidence_contexts(cut)
+    think = tmp_path / "think.jsonl"  # a think context without the think to read
+    think.write_text(json.dumps(good | {"segments": [["Question: x\n", "prompt"], ["<think>", "policy"]]}) + "\n")
+    with pytest.raises(DataError, match=rf"{think}:1: a think context needs \"unfaithful\""):
+        load_think_contexts(think)
+    with pytest.raises(DataError, match=rf"{bad}:1: the last segment must end in <think>"):
+        load_think_contexts(bad)
     corpus = tmp_path / "data" / "corpus.jsonl"
     corpus.parent.mkdir()
     corpus.write_text(json.dumps({"id": "p0", "contents": '"A"\nA was born in the city of B.'}) + "\n")
@@ -238,6 +277,10 @@ def test_a_bad_contexts_file_is_one_line_naming_file_and_line_before_any_engine(
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("eval.py: error: ") and f"{bad}:2:" in done.stderr
     assert "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "eval.py", "--model", str(model), "--datasets", str(questions),
+                           "--set", f"data.corpus={corpus}", "--think-contexts", str(think)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and f"{think}:1:" in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
 
 
 def test_p_certain_renormalises_over_the_ten_confidences():

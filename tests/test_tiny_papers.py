@@ -357,6 +357,21 @@ def test_a_partial_report_keeps_every_line_whose_rows_ran():
     assert "BAPO" in shown and "WebFilter" not in shown and "VERITAS" not in shown, shown
 
 
+def test_veritas_line_is_per_seed_below_the_baselines_lowest_and_keeps_em():
+    from tiny.papers import BASELINE, SFT_ROW, veritas_line
+
+    rows = {SFT_ROW: {"p_unfaithful_think": 0.29, "em": 0.62}}
+    for seed, (b, v) in enumerate([(0.034, 0.008), (0.070, 0.013), (0.056, 0.011)]):
+        rows[f"{BASELINE} seed{seed}"] = {"p_unfaithful_think": b, "em": 0.62}
+        rows[f"VERITAS seed{seed}"] = {"p_unfaithful_think": v, "em": 0.61}
+    paper, claim, met = veritas_line(rows)
+    assert met and "0.008 / 0.013 / 0.011" in claim and "start 0.290" in claim, claim
+    rows["VERITAS seed2"]["p_unfaithful_think"] = 0.04  # below the baseline's mean, above its lowest seed
+    assert veritas_line(rows)[2] is False
+    rows["VERITAS seed2"] = {"p_unfaithful_think": 0.011, "em": 0.45}  # mean EM falls by more than 0.03
+    assert veritas_line(rows)[2] is False
+
+
 MICRO_PAPERS = [
     # the micro world of conftest.MICRO with the papers' extensions (world key of its own)
     "world.n_people=300", "world.n_cities=30", "world.n_countries=6", "world.n_val=20", "world.n_test=20",
@@ -399,6 +414,8 @@ def test_reproduce_papers_end_to_end_and_rerun_keeps_finished_runs(tmp_path):
     assert len({d.parent for d in datasets.values()}) == 3  # three worlds, three test splits
     # the teacher-forced confidence, read at the evidence world's own contexts, and the per-seed lines
     assert "--confidence-contexts" in evaluated["start-evidence"]
+    assert "--think-contexts" in evaluated["start"] and "--think-contexts" not in evaluated["start-evidence"]
+    assert 0 < data["WebFilter seed0"]["p_unfaithful_think"] < 1  # every row of the papers' start is read
     lagrangian = data["Deliberative: Lagrangian seed0"]
     assert {"certain_gap", "p_certain_answerable", "p_certain_unanswerable", "best_constant"} <= set(lagrangian)
     assert "| Deliberative: Lagrangian | Δ per seed " in report

@@ -7,7 +7,7 @@ results/tiny_papers.md with curves.
 The runs start from three SFT policies (cached in cache/), each with its plain GRPO baseline:
 - configs/reproduction/tiny_papers.yaml: the tiny world with unanswerable and misinformation questions
   (tiny/world.py) and a Search-R1-format teacher that has each paper's flaw (world.Habits: random
-  confidence, IDK only at random, site: rarely, a think that ignores what it read);
+  confidence, IDK only at random, site: rarely, an answer's think that ignores what it read);
 - configs/reproduction/tiny_papers_boundary.yaml, the "boundary world" of BAPO's rows: a third of the
   questions ask about people no passage names (the search finds no namesake), no misinformation,
   and the teacher's random IDK more often;
@@ -34,6 +34,10 @@ false-certain) and teacher-forced, P(c >= 5) summed over all ten confidences at 
 150 contexts per start (report/metrics.p_certain: greedy decoding of a digit-split "10" is a coin
 flip). Its acceptance is per seed (deliberative_acceptance); why one confidence and not the
 paper's one per step with READ: NOTES, which the report prints beside the table.
+VERITAS's flaw is read the same two ways: greedy info-think, and the teacher-forced probability of
+the teacher's unfaithful think where the answer's think begins (report/metrics.unfaithful_share;
+greedy writes the likelier think only, so it reads 1.0 once that is the faithful one); its
+acceptance is per seed too (veritas_line).
 WebFilter's and VERITAS's judge is the tiny world's rule judge (judge.RuleJudge), and so is the
 faithfulness measurement of every row: it is not an LLM, and the report says so. Evaluation is
 greedy on the held-out test questions (people no SFT or RL question asked about). `--run-dir`
@@ -55,7 +59,7 @@ from pathlib import Path
 
 from report.plots import read_series
 from tiny.report import ROOT, build_start, finish_report, last_checkpoint, mean_spread, train_runs
-from tiny.sft import confidence_contexts, world_search_tool
+from tiny.sft import confidence_contexts, think_contexts, world_search_tool
 from tiny.world import world_dir, write_jsonl
 from trainer.config import ConfigError, load_config
 from trainer.precision import machine
@@ -109,7 +113,8 @@ PAPERS = {
                   [("operator_use", "operator use"), ("em_misinfo", "EM, misinformation q"), ("em", "EM")],
                   "operator_use"),
     "VERITAS": (SFT_ROW, [BASELINE, "VERITAS"],
-                [("info_think", "info-think faithfulness"), ("think_answer", "think-answer"), ("em", "EM")],
+                [("p_unfaithful_think", "P(unfaithful think), teacher-forced"), ("info_think", "greedy info-think"),
+                 ("think_answer", "think-answer"), ("em", "EM")],
                 "info_think"),
 }  # fmt: skip
 START_OF = {row: start for start, rows, _, _ in PAPERS.values() for row in rows}
@@ -126,8 +131,16 @@ NOTES = {  # read with a paper's table
         "the answer, not the paper's confidence per step with READ: eq. 5 scores only c(s_T), the final",
         "answer's (§2.2), so per-step digits would carry no reward of their own.",
     ],
+    "VERITAS": [
+        "Reading the table: 30% of the teacher's answers follow a think that ignores what it read (\"I know the",
+        "answer.\"). Greedy decoding writes the likelier think only, so greedy info-think reaches 1.0 as soon as the",
+        "faithful think is the more probable at every context, under either reward. The teacher-forced",
+        "P(unfaithful think), at the teacher's own contexts where the answer's think begins, is the rate a",
+        "sampling policy thinks unfaithfully: the measure. EM alone lowers it too, because on this world the",
+        "restated fact is what the tiny policy copies its answer from; eq. 1's process reward lowers it further.",
+    ],
 }
-CONTEXTS = 150  # teacher-forced confidence contexts per start (eval.py --confidence-contexts)
+CONTEXTS = 150  # teacher-forced contexts per start (eval.py --confidence-contexts, --think-contexts)
 
 
 def seed_rows(rows: dict, row: str) -> list[dict]:
@@ -164,7 +177,7 @@ def deliberative_acceptance(rows: dict) -> list[tuple[str, str, bool]]:
             each(start, lambda p: abs(p[gap]) <= 0.05 and p[rel] <= p[best] + 0.05))]  # fmt: skip
     for row in (EVIDENCE_BASELINE, SHUFFLED):
         if values(rows, row, gap):
-            out.append((row, f"\\|Δ\\| per seed {seeds(row, gap)} (≤ 0.15 each)",
+            out.append((row, f"Δ per seed {seeds(row, gap)} (\\|Δ\\| ≤ 0.15 each)",
                         each(row, lambda p: abs(p[gap]) <= 0.15)))  # fmt: skip
     row = LAGRANGIAN
     if not values(rows, row, gap):
@@ -180,6 +193,19 @@ def deliberative_acceptance(rows: dict) -> list[tuple[str, str, bool]]:
               "(drop ≤ 0.03)", mean(rows, row, "em") >= mean(rows, EVIDENCE_BASELINE, "em") - 0.03),
     ]  # fmt: skip
     return out
+
+
+def veritas_line(rows: dict) -> tuple[str, str, bool]:
+    """VERITAS's line, every seed on its own: eq. 1 makes the unfaithful think rarer than EM alone
+    does (each VERITAS seed's teacher-forced P below the lowest of the baseline's seeds), and keeps EM."""
+    key, b = "p_unfaithful_think", BASELINE
+    base, veritas = values(rows, b, key), values(rows, "VERITAS", key)
+    per_seed = lambda vs: " / ".join(f"{v:.3f}" for v in vs) or "–"  # noqa: E731
+    em_b, em_v = mean(rows, b, "em"), mean(rows, "VERITAS", "em")
+    return ("VERITAS", f"P(unfaithful think) start {per_seed(values(rows, SFT_ROW, key))}, EM baseline "
+            f"{per_seed(base)} → VERITAS {per_seed(veritas)} (each below the baseline's lowest); EM {em_b:.3f} → "
+            f"{em_v:.3f} (drop ≤ 0.03)",
+            bool(base and veritas) and max(veritas) < min(base) and em_v >= em_b - 0.03)  # fmt: skip
 
 
 def acceptance(rows: dict) -> list[tuple[str, str, bool]]:
@@ -204,9 +230,7 @@ def acceptance(rows: dict) -> list[tuple[str, str, bool]]:
          f"→ {m('WebFilter', 'operator_use'):.3f} (≥ 0.5), EM on misinformation {m(b, 'em_misinfo'):.3f} → "
          f"{m('WebFilter', 'em_misinfo'):.3f}",
          m("WebFilter", "operator_use") >= 0.5 and m("WebFilter", "em_misinfo") > m(b, "em_misinfo")),
-        ("VERITAS", f"info-think {m(b, 'info_think'):.3f} → {m('VERITAS', 'info_think'):.3f}, EM {m(b, 'em'):.3f} → "
-         f"{m('VERITAS', 'em'):.3f} (drop ≤ 0.03)",
-         m("VERITAS", "info_think") > m(b, "info_think") and m("VERITAS", "em") >= m(b, "em") - 0.03),
+        veritas_line(rows),
         ("Search-R1", f"EM 2-hop with the mask {m(b, 'em_2hop'):.3f}, without "
          f"{m('Search-R1: no retrieved-token mask', 'em_2hop'):.3f} (the ablation runs; no direction required)",
          True),
@@ -332,6 +356,10 @@ def main(argv: list[str] | None = None) -> None:
                                            "test", CONTEXTS)  # fmt: skip
             write_jsonl(run_dir / "eval" / f"{out.name}-contexts.jsonl", contexts)
             cmd += ["--confidence-contexts", str(run_dir / "eval" / f"{out.name}-contexts.jsonl")]
+        if cfg.sft.p_unfaithful_think:  # its teacher sometimes thinks unfaithfully: read how often the policy would
+            think = think_contexts(cfg, start_dir[start], world_search_tool(cfg, start_dir[start]), "test", CONTEXTS)
+            write_jsonl(run_dir / "eval" / f"{out.name}-think-contexts.jsonl", think)
+            cmd += ["--think-contexts", str(run_dir / "eval" / f"{out.name}-think-contexts.jsonl")]
         # a re-run keeps a finished evaluation of the same models, as it keeps finished runs
         asked = json.dumps(cmd[2:])
         if (out / "results.json").exists() and (out / "command.json").exists() and (
@@ -395,6 +423,8 @@ def write_report(out: Path, args, rows: dict, done: dict, timings: dict, curves:
         "search finds nothing; the teacher says when it guesses, and its confidence digit is odd after a fact,",
         "even after a guess, P(c ≥ 5) = 0.6 either way). Their P(c ≥ 5) is teacher-forced at the teacher's",
         f"first {CONTEXTS} test contexts, every confidence 1–10 read as its whole string (report/metrics.p_certain).",
+        "VERITAS's P(unfaithful think) is teacher-forced at the papers' start's first "
+        f"{CONTEXTS} test contexts, where the answer's think begins (report/metrics.unfaithful_share).",
         "Faithfulness (info-think) and WebFilter's c are scored by the **rule judge** (judge.RuleJudge), not an LLM.",
         "",
         "## Acceptance: Deliberative Searcher's every seed, the others from the means below",

@@ -53,6 +53,7 @@ from search.tools import make_search_fn, open_search
 from tiny.teachers import PROTOCOL_TAGS, protocol_trajectories
 from tiny.world import (
     GUESSED,
+    UNFAITHFUL_THINK,
     Habits,
     ensure_world_data,
     generate_world,
@@ -278,14 +279,30 @@ def confidence_contexts(cfg: Config, world_path: Path, tool, split: str = "test"
     (report/metrics.p_certain); the same contexts for every policy, so rows differ only in the policy.
     category: the question's metadata.category ("unanswerable", "misinfo"), else "answerable".
     """
+    return _teacher_cuts(cfg, world_path, tool, split, n, lambda last: last[: last.index("<answer>")] + "<confidence>")
+
+
+def think_contexts(cfg: Config, world_path: Path, tool, split: str = "test", n: int = 150) -> list[dict]:
+    """The teacher's trajectories cut where the answer's think begins, just after the last
+    information: as confidence_contexts, the last segment "<think>", and "unfaithful": the text of
+    the teacher's unfaithful think there (" I know the answer.</think>", world.UNFAITHFUL_THINK).
+    eval.py --think-contexts reads its probability (report/metrics.unfaithful_share): VERITAS's
+    flaw read as a belief, where greedy decoding shows only the likelier think.
+    """
+    rows = _teacher_cuts(cfg, world_path, tool, split, n, lambda last: "<think>")
+    return [r | {"unfaithful": f" {UNFAITHFUL_THINK}</think>"} for r in rows]
+
+
+def _teacher_cuts(cfg: Config, world_path: Path, tool, split: str, n: int, cut) -> list[dict]:
+    """The flawless teacher on the first n questions of `split` (it searches every hop), its last
+    segment (the answer's think and answer) replaced by cut(last)."""
     rng = random.Random(cfg.world.seed + 5)
     habits = Habits(admits_guess=cfg.sft.admits_guess)  # the teacher's evidence, none of its flaws
     world = generate_world(cfg.world)
     out = []
     for q in read_jsonl(world_path / f"{split}.jsonl")[:n]:
         segs = teacher_segments(q, tool, rng, world.countries, list(world.city_country), 0.0, 0.0, habits)
-        last = segs[-1][0]
-        segs[-1] = (last[: last.index("<answer>")] + "<confidence>", "policy")
+        segs[-1] = (cut(segs[-1][0]), "policy")
         out.append({"question_id": q["id"], "category": q["metadata"].get("category", "answerable"),
                     "segments": [[render_prompt(q["question"], cfg.rollout.prompt_template), "prompt"]]
                     + [list(s) for s in segs]})  # fmt: skip

@@ -232,8 +232,23 @@ def load_confidence_contexts(path: Path) -> list[dict]:
     [[text, role], ...]} with roles prompt / policy / obs and the last segment ending where the
     confidence is written ("...</think><confidence>"); tiny/sft.confidence_contexts writes them.
     A line that breaks this is a DataError naming the file and the line."""
+    return _load_contexts(Path(path), "<confidence>", "where the digit is written")
+
+
+def load_think_contexts(path: Path) -> list[dict]:
+    """eval.py --think-contexts: as load_confidence_contexts, the last segment ending in "<think>"
+    (where the answer's think begins) and "unfaithful": the think whose probability is read there
+    (" I know the answer.</think>"); tiny/sft.think_contexts writes them."""
+    def unfaithful_text(row: dict) -> str:
+        ok = isinstance(row.get("unfaithful"), str) and row["unfaithful"].strip()
+        return "" if ok else 'a think context needs "unfaithful" (the think text to read)'
+
+    return _load_contexts(Path(path), "<think>", "where the think begins", unfaithful_text)
+
+
+def _load_contexts(path: Path, ends: str, where: str, problem=lambda row: "") -> list[dict]:
     out = []
-    for n, row in _read_jsonl_numbered(Path(path)):
+    for n, row in _read_jsonl_numbered(path):
         segments = row.get("segments")
         ok = isinstance(row.get("category"), str) and isinstance(segments, list) and segments and all(
             isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and s[1] in ("prompt", "policy", "obs")
@@ -241,8 +256,10 @@ def load_confidence_contexts(path: Path) -> list[dict]:
         if not ok:
             raise DataError(f'{path}:{n}: a context needs "category" (text) and "segments" ([text, role] pairs, '
                             "role prompt, policy or obs)")  # fmt: skip
-        if not segments[-1][0].endswith("<confidence>"):
-            raise DataError(f"{path}:{n}: the last segment must end in <confidence> (where the digit is written)")
+        if not segments[-1][0].endswith(ends):
+            raise DataError(f"{path}:{n}: the last segment must end in {ends} ({where})")
+        if problem(row):
+            raise DataError(f"{path}:{n}: {problem(row)}")
         out.append(row)
     if not out:
         raise DataError(f"{path}: no contexts")
