@@ -36,6 +36,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from agent.answers import parsed
@@ -150,8 +151,6 @@ def rollout_mode(mode: str, engine, tokenizer, questions: list[dict], search_fn,
         prefixes = [[(f"<think> </think><search> {q['question']}</search>", "prefix"), (h, "obs")]
                     for q, h in zip(questions, hits)]  # fmt: skip
     elif mode == "reliable":
-        from dataclasses import replace
-
         rcfg = replace(
             rcfg, prompt_template=render_prompt("{question}", rcfg.prompt_template).rstrip("\n") + RELIABLE_SUFFIX
         )
