@@ -158,38 +158,6 @@ def test_teacher_has_each_papers_flaw_when_asked(ext):
     assert right["unanswerable"] <= 0.3 * total["unanswerable"] and total["unanswerable"] > 20
 
 
-def test_answer_only_unfaithful_teacher_keeps_the_city_its_second_query_needs(ext):
-    """sft.unfaithful_answer_only (the papers' world): the think before the answer ignores what it
-    read, the one before a 2-hop's second search still restates the city, so an unfaithful
-    trajectory searches and answers as a faithful one does (and EM alone cannot tell them apart)."""
-    world, search, *_ = ext
-    tool = docs_tool(search)
-    countries, cities = world.countries, list(world.city_country)
-    two_hop = [q for q in world.questions["train"] if q["metadata"]["type"] == "2hop"][:40]
-    assert len(two_hop) == 40
-    for q in two_hop:
-        segs = {only: [t for t, role in teacher_segments(q, tool, random.Random(4), countries, cities, 0.0, 0.0,
-                                                         Habits(p_unfaithful_think=1.0, rng=random.Random(0),
-                                                                unfaithful_answer_only=only))
-                       if role == "policy"]
-                for only in (False, True)}  # fmt: skip
-        everywhere, answer_only = segs[False], segs[True]
-        assert [s.count("I know the answer.") for s in everywhere] == [0, 1, 1]
-        assert [s.count("I know the answer.") for s in answer_only] == [0, 0, 1]
-        assert "I need the country of" in answer_only[1]
-        assert answer_only[-1].endswith(f"<answer> {q['golden_answers'][0]}</answer>") or "category" in q["metadata"]
-
-
-def test_answer_only_is_in_the_world_key_only_where_a_think_is_unfaithful():
-    def key(*sets: str) -> str:  # the papers' start (sft.unfaithful_answer_only: true) with overrides
-        return world_key(load_config(ROOT / "configs/reproduction/tiny_papers.yaml", list(sets)))
-
-    assert key() != key("sft.unfaithful_answer_only=false")
-    # no unfaithful think: which one would be changes nothing, so a world built before the option
-    # keeps its key (configs/tiny.yaml's is pinned above)
-    assert key("sft.p_unfaithful_think=0") == key("sft.p_unfaithful_think=0", "sft.unfaithful_answer_only=false")
-
-
 def test_citing_teacher_puts_the_unreliable_attribution_in_its_answers_think(ext):
     """sft.think_cites_source: the think before the answer carries "Fans of" exactly when the
     teacher read a rumour passage (misinformation, or an unanswerable question's namesake), so the
@@ -452,8 +420,6 @@ def test_protocol_teachers_write_valid_trajectories_through_the_rollout_loop(ext
     for sets, check in (
         (flawless, "clean"),
         (flawless[:2] + ["sft.confidence=random", "sft.p_site=1", "sft.p_unfaithful_think=1", "sft.p_idk=1"], "flaws"),
-        (flawless[:4] + ["sft.confidence=random", "sft.p_unfaithful_think=1", "sft.unfaithful_answer_only=true"],
-         "answer-only"),
     ):
         cfg = load_config(None, [f"rollout.protocol={protocol}", "rollout.max_turns=5", "retriever.topk=1", *sets])
         recs = teacher_rollouts(cfg, qs, make_search_fn(cfg, corpus, {}), world.countries, list(world.city_country))
@@ -466,10 +432,6 @@ def test_protocol_teachers_write_valid_trajectories_through_the_rollout_loop(ext
             assert all("I know the answer" not in r["response_text"] for r in recs)
             if protocol == "deliberative":  # search, then read the first source, per hop
                 assert all(r["num_reads"] == r["num_searches"] >= 1 for r in recs if "category" not in r["metadata"])
-        elif check == "answer-only":  # only the answer's think ignores what it read; 2-hop queries name the city
-            assert all(r["response_text"].count("I know the answer") == 1 for r in recs)
-            assert all(q["metadata"]["city"] in r["response_text"] for r, q in zip(recs, qs)
-                       if q["metadata"]["type"] == "2hop" and "category" not in q["metadata"])  # fmt: skip
         else:
             assert all(p.idk for p in parsed) and all(q.endswith(f"site:{'tinypedia.org'}") for p in parsed
                                                       for q in p.queries)  # fmt: skip

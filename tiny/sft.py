@@ -211,8 +211,7 @@ def teacher_examples(cfg: Config, world_path: Path, tool) -> list[list[tuple[str
     rng = random.Random(cfg.world.seed + 1)
     confidence_rng = random.Random(cfg.world.seed + 2)  # its own stream: the trajectories stay the same
     habits = Habits(cfg.sft.p_site, cfg.sft.p_unfaithful_think, cfg.sft.think_cites_source,
-                    random.Random(cfg.world.seed + 3), cfg.sft.admits_guess,
-                    cfg.sft.unfaithful_answer_only)  # fmt: skip
+                    random.Random(cfg.world.seed + 3), cfg.sft.admits_guess)  # fmt: skip
     trajectories = []
     for q in tqdm(read_jsonl(world_path / "train.jsonl"), desc="teacher", mininterval=5):
         segs = teacher_segments(q, tool, rng, countries, cities, cfg.sft.p_guess_second_hop, cfg.sft.p_no_search,

@@ -61,20 +61,21 @@ class Flaws:
     no_search: bool
     guess_second_hop: bool
     site: str
-    unfaithful: bool  # the answer's think ignores what it read
-    unfaithful_search: bool  # ... and so does the think before a second search (all but sft.unfaithful_answer_only)
+    unfaithful: bool
     idk: bool
     rng: random.Random  # guesses and confidences
 
 
 def draw_flaws(question: dict, sft, seed: int) -> Flaws:
     rng = random.Random(zlib.crc32(f"{seed}|{question['id']}".encode()))
-    no_search, guess_second_hop = rng.random() < sft.p_no_search, rng.random() < sft.p_guess_second_hop
-    site = f" site:{RELIABLE_DOMAIN}" if rng.random() < sft.p_site else ""
-    unfaithful = rng.random() < sft.p_unfaithful_think
-    return Flaws(no_search=no_search, guess_second_hop=guess_second_hop, site=site, unfaithful=unfaithful,
-                 unfaithful_search=unfaithful and not sft.unfaithful_answer_only, idk=rng.random() < sft.p_idk,
-                 rng=rng)  # fmt: skip
+    return Flaws(
+        no_search=rng.random() < sft.p_no_search,
+        guess_second_hop=rng.random() < sft.p_guess_second_hop,
+        site=f" site:{RELIABLE_DOMAIN}" if rng.random() < sft.p_site else "",
+        unfaithful=rng.random() < sft.p_unfaithful_think,
+        idk=rng.random() < sft.p_idk,
+        rng=rng,
+    )
 
 
 def render(protocol: str, think: str, action: str, arg: str, confidence: int | None, after: bool = False) -> str:
@@ -124,8 +125,8 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
         if first:
             return render(protocol, "The first source should say.", "read", first.group(1), step_conf)
 
-    def said(fact: str, answers: bool = True) -> str:  # after reading: restate it, or (unfaithful) ignore it
-        return UNFAITHFUL_THINK if (flaws.unfaithful if answers else flaws.unfaithful_search) else fact
+    def said(fact: str) -> str:  # after reading: restate it, or (unfaithful) ignore it
+        return UNFAITHFUL_THINK if flaws.unfaithful else fact
 
     if searches >= 2:  # the second hop's result: the city's country
         m = _IN_COUNTRY.search(last)
@@ -139,8 +140,8 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
     if flaws.guess_second_hop:
         guess = rng.choice(countries)
         return answer(f"{fact} It is in the country of {guess}.", guess)
-    return render(protocol, said(f"{fact} I need the country of {city}.", answers=False), "search",
-                  f"{city} country{flaws.site}", step_conf)  # fmt: skip
+    return render(protocol, said(f"{fact} I need the country of {city}."), "search", f"{city} country{flaws.site}",
+                  step_conf)  # fmt: skip
 
 
 class CharTokenizer:

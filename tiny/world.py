@@ -241,12 +241,6 @@ class Habits:
 
     p_site: restrict the source with site:tinypedia.org (WebFilter: "uses site: rarely").
     p_unfaithful_think: the think after the information ignores it (VERITAS).
-    unfaithful_answer_only: only the think before the answer does. Without it a 2-hop's unfaithful
-    first think drops the city its second query needs: at the papers' start (p 0.3, all thinks)
-    greedy 2-hop EM was 0.053 after an unfaithful think, 0.640 after a faithful one, so EM alone
-    taught faithfulness (the GRPO baseline's info-think 0.80 -> 1.00) and VERITAS had nothing to
-    add. Answer-only, the answer is copied from the information either way, as the paper's
-    unfaithful-but-right reasoning (VERITAS §1).
     cites_source: the think restates the whole sentence it took a fact from, attribution and all
     ("Fans of P say P was born in the city of C."), and the answer's think restates the whole
     chain; the evidence a confidence should weigh then sits in the think just before it.
@@ -261,7 +255,6 @@ class Habits:
     cites_source: bool = False
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     admits_guess: bool = False  # after "No results.": "Nothing names P, so I guess X." (sft.admits_guess)
-    unfaithful_answer_only: bool = False  # sft.unfaithful_answer_only
 
 
 UNFAITHFUL_THINK = "I know the answer."  # names nothing it read: the rule judge's 0 (agent/judge.py)
@@ -327,9 +320,8 @@ def teacher_segments(
                          "policy"))  # fmt: skip
             return segs
 
-    def think(text: str, answers: bool = True) -> str:  # after information: restate it, or (unfaithful) ignore it
-        ignores = unfaithful and (answers or not habits.unfaithful_answer_only)
-        return f"<think> {UNFAITHFUL_THINK if ignores else text}</think>"
+    def think(text: str) -> str:  # after information: restate it, or (unfaithful) ignore it
+        return f"<think> {UNFAITHFUL_THINK if unfaithful else text}</think>"
 
     if kind == "1hop":
         segs.append((f"{think(fact)}<answer> {city}</answer>", "policy"))
@@ -338,8 +330,7 @@ def teacher_segments(
         guess = rng.choice(countries)
         segs.append((f"<think> {fact} It is in the country of {guess}.</think><answer> {guess}</answer>", "policy"))
         return segs
-    first = think(f"{fact} I need the country of {city}.", answers=False)
-    segs.append((f"{first}<search> {city} country{site}</search>", "policy"))
+    segs.append((f"{think(f'{fact} I need the country of {city}.')}<search> {city} country{site}</search>", "policy"))
     obs = search(f"{city} country{site}")
     segs.append((obs, "obs"))
     country = question["golden_answers"][0]
@@ -352,13 +343,6 @@ def teacher_segments(
     return segs
 
 
-def _sft_key(sft) -> dict:
-    keep = {k: v for k, v in vars(sft).items() if k not in LATER_OPTIONS or v}
-    if not sft.p_unfaithful_think:  # no think is unfaithful: which one would be changes nothing
-        keep.pop("unfaithful_answer_only", None)
-    return keep | {"probe_every": None}  # a diagnostic: it changes no weights
-
-
 def world_key(cfg: Config) -> str:
     """Cache key: everything that changes the built world, tokenizer or SFT policy. The precision
     keys count as this machine resolves them (a config read from YAML still says `auto`)."""
@@ -367,7 +351,8 @@ def world_key(cfg: Config) -> str:
         # options added later are left out while unset, so older worlds keep their keys
         "world": {k: v for k, v in vars(cfg.world).items() if k not in LATER_OPTIONS or v} | {"cache_dir": None},
         "model": vars(cfg.model),
-        "sft": _sft_key(cfg.sft),
+        # probe_every is a diagnostic (it changes no weights)
+        "sft": {k: v for k, v in vars(cfg.sft).items() if k not in LATER_OPTIONS or v} | {"probe_every": None},
         "topk": cfg.retriever.topk,
         "max_obs_tokens": cfg.rollout.max_obs_tokens,
         "prompt": cfg.rollout.prompt_template,
@@ -393,7 +378,7 @@ def world_key(cfg: Config) -> str:
 
 LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac",
                  "unanswerable_novel_names", "p_confidence_hint", "think_cites_source", "warm_start",
-                 "admits_guess", "unfaithful_answer_only")  # fmt: skip
+                 "admits_guess")  # fmt: skip
 FORMAT_VERSION = 4  # bump when the generator, teacher, prompt or tokenizer changes what gets built (4: Qwen2 split)
 
 

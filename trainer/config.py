@@ -142,10 +142,6 @@ class SFTConfig:
     p_idk: float = 0.0  # answer "I don't know" at random, never because it should (BAPO)
     p_site: float = 0.0  # restrict the source with site:tinypedia.org, rarely (WebFilter)
     p_unfaithful_think: float = 0.0  # a think after the information that ignores it (VERITAS)
-    # Only the answer's think ignores what it read (the one before <answer>); a 2-hop's first think
-    # still restates the city. Off, an unfaithful 2-hop also drops the city its second query needs,
-    # so outcome reward alone removes the flaw (world.Habits says what was measured).
-    unfaithful_answer_only: bool = False
     # The think restates each fact with its attribution ("Fans of P say ...") and the answer's
     # think restates the whole chain (world.Habits.cites_source): a deliberating teacher, whose
     # confidence is still random. Search-R1 protocol only.
