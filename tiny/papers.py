@@ -7,7 +7,7 @@ results/tiny_papers.md with curves.
 The runs start from three SFT policies (cached in cache/), each with its plain GRPO baseline:
 - configs/reproduction/tiny_papers.yaml: the tiny world with unanswerable and misinformation questions
   (tiny/world.py) and a Search-R1-format teacher that has each paper's flaw (world.Habits: random
-  confidence, IDK only at random, site: rarely, an answer's think that ignores what it read);
+  confidence, IDK only at random, site: rarely, a think that ignores what it read);
 - configs/reproduction/tiny_papers_boundary.yaml, the "boundary world" of BAPO's rows: a third of the
   questions ask about people no passage names (the search finds no namesake), no misinformation,
   and the teacher's random IDK more often;
@@ -132,12 +132,13 @@ NOTES = {  # read with a paper's table
         "answer's (§2.2), so per-step digits would carry no reward of their own.",
     ],
     "VERITAS": [
-        "Reading the table: 30% of the teacher's answers follow a think that ignores what it read (\"I know the",
-        "answer.\"). Greedy decoding writes the likelier think only, so greedy info-think reaches 1.0 as soon as the",
+        "Reading the table: 30% of the teacher's trajectories think \"I know the answer.\" after reading, ignoring",
+        "it. Greedy decoding writes the likelier think only, so greedy info-think reaches 1.0 as soon as the",
         "faithful think is the more probable at every context, under either reward. The teacher-forced",
         "P(unfaithful think), at the teacher's own contexts where the answer's think begins, is the rate a",
-        "sampling policy thinks unfaithfully: the measure. EM alone lowers it too, because on this world the",
-        "restated fact is what the tiny policy copies its answer from; eq. 1's process reward lowers it further.",
+        "sampling policy thinks unfaithfully: the measure. EM alone lowers it too: on this world the restated",
+        "fact is what the tiny policy copies its answer (and a second query's city) from. Eq. 1's process",
+        "reward lowers it further.",
     ],
 }
 CONTEXTS = 150  # teacher-forced contexts per start (eval.py --confidence-contexts, --think-contexts)
