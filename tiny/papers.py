@@ -352,13 +352,13 @@ def main(argv: list[str] | None = None) -> None:
                *sum((["--model", m] for m in models), []), "--datasets", str(test_files[start]),
                "--columns", *columns, "--judge-url", "rule", "--out", str(out)]  # fmt: skip
         cfg = load_config(RUNS[STARTS[start]], args.set)
+        tool = world_search_tool(cfg, start_dir[start]) if cfg.sft.confidence or cfg.sft.p_unfaithful_think else None
         if cfg.sft.confidence:  # its teacher writes a confidence: read P(c >= 5) where it does
-            contexts = confidence_contexts(cfg, start_dir[start], world_search_tool(cfg, start_dir[start]),
-                                           "test", CONTEXTS)  # fmt: skip
+            contexts = confidence_contexts(cfg, start_dir[start], tool, "test", CONTEXTS)
             write_jsonl(run_dir / "eval" / f"{out.name}-contexts.jsonl", contexts)
             cmd += ["--confidence-contexts", str(run_dir / "eval" / f"{out.name}-contexts.jsonl")]
         if cfg.sft.p_unfaithful_think:  # its teacher sometimes thinks unfaithfully: read how often the policy would
-            think = think_contexts(cfg, start_dir[start], world_search_tool(cfg, start_dir[start]), "test", CONTEXTS)
+            think = think_contexts(cfg, start_dir[start], tool, "test", CONTEXTS)
             write_jsonl(run_dir / "eval" / f"{out.name}-think-contexts.jsonl", think)
             cmd += ["--think-contexts", str(run_dir / "eval" / f"{out.name}-think-contexts.jsonl")]
         # a re-run keeps a finished evaluation of the same models, as it keeps finished runs

@@ -258,8 +258,8 @@ def _load_contexts(path: Path, ends: str, where: str, problem=lambda row: "") ->
                             "role prompt, policy or obs)")  # fmt: skip
         if not segments[-1][0].endswith(ends):
             raise DataError(f"{path}:{n}: the last segment must end in {ends} ({where})")
-        if problem(row):
-            raise DataError(f"{path}:{n}: {problem(row)}")
+        if why := problem(row):
+            raise DataError(f"{path}:{n}: {why}")
         out.append(row)
     if not out:
         raise DataError(f"{path}: no contexts")
