@@ -15,7 +15,8 @@ The contract. A reward is a function
   signature with `**_`: train.py refuses a reward that cannot take them, in one line, before any
   engine starts (trainer/reward_spec.check_reward).
 - It returns a dict with a numeric "reward" (the outcome, one scalar per rollout); every other
-  numeric key is a component, logged as `reward/<name>` (in a weighted sum, `<term>/<name>`).
+  key is a component, a number (a bool counts as 0/1), logged as `reward/<name>` (in a weighted
+  sum, `<term>/<name>`). Numbers are Python's or numpy's, finite, stored as floats.
 - `turn_rewards` (optional): one value per action turn of the record (its policy chunks, in order;
   None for a turn it does not score). They land on that turn's tokens (trainer/turns.py: GRPO adds
   train.turn_coef x their group-normalised value, PPO puts them at the turn's last token) and are
@@ -64,7 +65,8 @@ Per search step (turn_rewards; agent/steps.py holds their pieces):
 Composition: a config names a reward ("deliberative") or a weighted sum of table entries
 ("0.9*em + 0.1*think_answer"); parameters go in `train.reward_params`. `check_reward` checks both
 before a run starts (trainer/reward_spec.py: the grammar, and a misspelt parameter names itself),
-and a reward that comes out NaN or infinite stops the step (TrainingFault). Offline audit:
+and a reward that raises or comes out NaN, infinite or not a number stops the step before the
+optimizer, naming the reward and the record (TrainingFault; agent/scoring.py). Offline audit:
 
     python rewards.py --reward bapo --input rollouts.jsonl --output scores.jsonl
 
@@ -96,7 +98,7 @@ from agent.answers import (
 )
 from agent.bapo import bapo_correct, bapo_solved
 from agent.judge import asked_at_once, make_judge
-from agent.steps import action_turns, gold_documents, ig_search_steps, retrieval_hits, stepsearch_steps
+from agent.steps import gold_documents, ig_search_steps, retrieval_hits, stepsearch_steps
 from search.web import SOURCE_OPERATORS
 from trainer import reward_spec
 from trainer.config import TrainingFault
@@ -381,6 +383,13 @@ def ig_search(group: list[dict], answer_logprob=None, swaps: int = 3, **_) -> li
 
 ig_search.group = True
 
+# What a reward scores in place of a judge's verdicts in a run without one (train.judge ""): train.py
+# says so once, at the start (reward_spec.judge_note), not only in a `judged: 0` component.
+webfilter.without_judge = lambda params: "z (answer correct) is EM and c (the operators helped) is 0"
+veritas.without_judge = lambda params: "its info_think term is 0"
+info_think.without_judge = think_search.without_judge = lambda params: "it is 0 on every rollout"
+deliberative.without_judge = lambda params: "r_acc is EM" if params.get("acc_metric") == "judge" else ""
+
 
 # --------------------------------------------------------------------------------------------
 # The table, composition and scoring.
@@ -447,8 +456,10 @@ def compute(records: list[dict], spec: str = "search_r1_em", params: dict | None
     them, "turn_rewards" (the weighted sum of the terms' turn rewards, turn by turn; None where no
     term scores the turn). A single-term spec reports that reward's own components; a sum reports
     each term's scalar and its components as "<term>/<name>". `given`: what the trainer gives
-    every reward besides the judge (passage, answer_logprob; module docstring). A reward, numeric
-    component or turn reward that is NaN or infinite raises TrainingFault (agent/scoring.py). With a
+    every reward besides the judge (passage, answer_logprob; module docstring). A reward that raises
+    or gives what the contract does not allow (a non-number or non-finite reward, component or turn
+    reward, turn rewards not one per action turn) raises TrainingFault naming the reward and the
+    record (agent/scoring.py). With a
     judge, every verdict the rewards ask for, record by record, is asked in one call
     (judge.asked_at_once): the judge's concurrency serves the whole batch, for any reward.
     """
@@ -464,17 +475,13 @@ GIVEN = dict.fromkeys(name for name in reward_spec.GIVEN if name != "judge")
 def score(records: list[dict], spec: str = "search_r1_em", params: dict | None = None, judge=None,
           given: dict | None = None) -> list[dict]:  # fmt: skip
     """Attach `reward`, `reward_components` and, where given, `turn_rewards` to each rollout
-    record (in place); return them. A turn_rewards list that does not have one value per action
-    turn of its record raises TrainingFault (it would land on the wrong turns)."""
+    record (in place); return them. Nothing is attached unless every record scored well
+    (compute's checks: a TrainingFault naming the reward and the record)."""
     for r, s in zip(records, compute(records, spec, params, judge, given)):
         r["reward"] = s["reward"]
         r["reward_components"] = s["components"]
         r.pop("_parsed", None)
         if "turn_rewards" in s:
-            if len(s["turn_rewards"]) != action_turns(r):
-                raise TrainingFault(f"reward {spec!r} gave {len(s['turn_rewards'])} turn rewards for a rollout of "
-                                    f"{action_turns(r)} action turns (group_id {r.get('group_id')!r}): one value "
-                                    "per action turn, None for a turn it does not score")  # fmt: skip
             r["turn_rewards"] = s["turn_rewards"]
     return records
 

@@ -83,10 +83,10 @@ from tqdm import tqdm
 from agent.answers import parsed
 from eval import rollout_mode, summarize
 from report.metrics import batch_metrics, paper_metrics
-from rewards import check_reward
+from rewards import REWARDS, check_reward
 from rollout import rollout_batch
 from run_setup import RunParts, setup
-from sampling import fill_varied_groups, resample_marked_groups, score_shared, varied_groups
+from sampling import fill_varied_groups, resample_marked_groups, score_shared, trained_records, varied_groups
 from search.client import RetrieverError
 from tiny.world import world_key
 from trainer.checkpoint import (
@@ -126,6 +126,7 @@ from trainer.plan import print_plan
 from trainer.ppo import ppo_update
 from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
+from trainer.reward_spec import judge_note
 from trainer.rundir import check_resume_config, own_run_dir
 from trainer.tracking import (
     check_report_to,
@@ -169,18 +170,19 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         switch_on(p.constraints, step, cfg.train.steps)
         t0, gpu = time.time(), {"engine": p.engine_gib, "before": stage_peak_gib(p.world)}  # setup or eval, save
         judged_before = judge_counts(p.judge)
-        records, counts = rollout_stage(p, step)  # 1. roll out (and, with filter_groups, score and refill)
-        retrieve = p.timings.get("retrieve", 0.0)
-        times = {"generate": slowest(time.time() - t0 - retrieve, p.world),
-                 "retrieve": slowest(retrieve, p.world)}  # fmt: skip
-        gpu["generate"] = stage_peak_gib(p.world)
-        t0 = time.time()
         try:
+            records, counts = rollout_stage(p, step)  # 1. roll out (and, with filter_groups, score and refill)
+            retrieve = p.timings.get("retrieve", 0.0)
+            times = {"generate": slowest(time.time() - t0 - retrieve, p.world),
+                     "retrieve": slowest(retrieve, p.world)}  # fmt: skip
+            gpu["generate"] = stage_peak_gib(p.world)
+            t0 = time.time()
             constraint_row = reward_stage(p, records, judged_before, scored=cfg.train.filter_groups)  # 2. rewards
             times["reward"], t0 = time.time() - t0, time.time()
             stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
-        except TrainingFault as e:  # a NaN reward, loss or gradient: stop before it reaches a checkpoint
-            raise TrainingFault(f"step {step + 1}: {e}. {resume_hint(run)}") from None
+        except TrainingFault as e:  # a bad reward, a NaN loss or gradient: stop before it reaches a checkpoint
+            said = str(e) if str(e).startswith(f"step {step + 1}:") else f"step {step + 1}: {e}"  # the engine's says it
+            raise TrainingFault(f"{said}. {resume_hint(run)}") from None
         times["train"], t0 = time.time() - t0, time.time()
         gpu["train"] = stage_peak_gib(p.world)  # rewards and the update
         sync_stage(p)  # 6. the new weights into the engine(s)
@@ -231,13 +233,15 @@ def rollout_stage(p: RunParts, step: int) -> tuple[list[dict], dict]:
                                                                      lambda qs, seed: roll_out(p, qs, seed), cfg,
                                                                      step, stage)  # fmt: skip
     if cfg.train.filter_groups:  # DAPO's dynamic sampling: groups with no GRPO signal replaced
+        turns = cfg.train.turn_norm if cfg.train.turn_coef else None  # outcomes tie, turns differ: a signal
         records, counts["filter"] = fill_varied_groups(records, cfg.train.questions_per_step,
                                                        cfg.train.filter_max_rounds, lambda rs: score_records(p, rs),
-                                                       lambda n, k: roll_out_next(p, n, step, k))  # fmt: skip
+                                                       lambda n, k: roll_out_next(p, n, step, k), turns)  # fmt: skip
         if counts["filter"]["groups"] < cfg.train.questions_per_step and p.main:
             tqdm.write(f"filter_groups: step {step + 1}: {counts['filter']['groups']} of {cfg.train.questions_per_step}"
-                       f" groups have rewards that differ after {counts['filter']['rounds']} more rounds "
-                       "(train.filter_max_rounds); training on those (none: on the first batch as it was)")  # fmt: skip
+                       f" groups have rewards (or turn rewards) that differ after {counts['filter']['rounds']} more"
+                       " rounds (train.filter_max_rounds); training on those (none: on the first batch as it was)"
+                       )  # fmt: skip
     p.engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
     return records, counts
 
@@ -286,9 +290,10 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
         stats = rft_step(p.model, kept, p.optimizer, cfg, pad_id, step) if kept else {}
         return stats | {"rft_kept": len(kept) / len(records)}
     if cfg.train.algo == "ppo":
-        trained = [r for r in records if not truncated(r)] if cfg.train.mask_truncated else records
+        trained = trained_records(records, cfg)  # train.mask_truncated: none left is a TrainingFault
         return ppo_update(p.model, p.ref, p.critic, trained, p.optimizer, p.critic_opt, cfg, pad_id, step, p.rank,
                           p.world) if trained else {}  # fmt: skip
+    trained = trained_records(records, cfg)  # the same records, advantages set below
     advantages = group_advantages(
         [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
     )
@@ -301,17 +306,11 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
             r["advantages"] = adv
     else:  # with turn rewards, equal outcomes still leave the turns' signal
         warn_if_no_signal(advantages, records, step, p.main)
-    trained = [r for r in records if not truncated(r)] if cfg.train.mask_truncated else records
     stats = grpo_step(p.model, p.ref, trained, p.optimizer, cfg, pad_id, step, p.rank, p.world) if trained else {}
     for r in records:
         r.pop("advantages", None)  # per-token lists would bloat samples/*.jsonl
     return stats | {"adv_nonzero_frac": sum(a != 0 for a in advantages) / len(advantages),
                     **({"truncated_masked": 1 - len(trained) / len(records)} if cfg.train.mask_truncated else {})}
-
-
-def truncated(record: dict) -> bool:
-    """Cut by rollout.max_turns or max_model_len before it answered (train.mask_truncated)."""
-    return record.get("finish") in ("max_turns", "length")
 
 
 def sync_stage(p: RunParts) -> None:
@@ -478,6 +477,8 @@ def main(argv: list[str] | None = None) -> None:
         stopped(e)
     print(f"run directory: {run}", flush=True)
     print(describe_precision(cfg), flush=True)
+    if note := judge_note(cfg.train.reward, cfg.train.reward_params, REWARDS, cfg.train.judge):
+        print(note, flush=True)  # a judge's terms scored without one: said once, before anything slow
     t0 = time.time()
     try:
         ev = train(cfg, run, ckpt)

@@ -97,11 +97,14 @@ def log(run: Path, row: dict) -> None:
 def write_samples(run: Path, step: int, records: list[dict]) -> None:
     """samples/step_<step>.jsonl: the records as the viewer reads them."""
     path = run / "samples" / f"step_{step}.jsonl"
+    # without private caches such as answers.parsed's "_parsed"; every line made before the file is
+    # opened, so a value json cannot write leaves no empty file (rewards reach here as floats:
+    # agent/scoring.py refuses, before the optimizer, what is not a number)
+    text = "".join(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n" for r in records)
     try:
         path.parent.mkdir(exist_ok=True)
         with open(path, "w") as f:
-            for r in records:  # without private caches such as answers.parsed's "_parsed"
-                f.write(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n")
+            f.write(text)
     except OSError as e:
         raise RunDirError(f"cannot write {path}: {_cause(e)}") from None
 

@@ -230,3 +230,27 @@ def check_reward(spec: str, params: dict, table: dict[str, Callable], constraint
                 raise ConfigError(f"{_label(keys[1], key)} must be a finite number; got {value!r}")
         elif isinstance(default, bool) and not isinstance(value, bool):
             raise ConfigError(f"{_label(keys[1], key)} must be true or false; got {value!r}")
+
+
+def judge_note(spec: str, params: dict, table: dict[str, Callable], judge: str) -> str:
+    """One line for a run without a judge (`judge`: train.judge, "") whose reward has terms that ask
+    one (their function's `without_judge(params)` says what they score instead); "" otherwise.
+    train.py prints it once, at the start: a researcher who forgot train.judge trains on another
+    reward than the paper's, and would otherwise see it only in a `judged: 0` component.
+
+    >>> def webfilter(record, **_): ...
+    >>> webfilter.without_judge = lambda params: "z is EM"
+    >>> judge_note("0.5*webfilter", {}, {"webfilter": webfilter}, "")  # doctest: +ELLIPSIS
+    "note: config key 'train.judge' is empty, so reward 'webfilter' (z is EM) scores without a judge; ..."
+    """
+    if judge:
+        return ""
+    terms = [(name, getattr(reward_fn(name, table), "without_judge", None)) for w, name in parse_spec(spec, table) if w]
+    said = [f"{name!r} ({why})" for name, without in terms if without and (why := without(params))]
+    if not said:
+        return ""
+    s = "s" * (len(said) > 1)
+    return (f"note: config key 'train.judge' is empty, so reward{s} {', '.join(said)} score{'' if s else 's'} "
+            "without a judge; set train.judge (rule: the tiny world's rule judge; or an OpenAI-compatible URL with "
+            "train.judge_model) to score as the paper does")
+
