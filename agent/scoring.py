@@ -86,8 +86,8 @@ def _call(name: str, fn, records: list[dict], judge, params: dict) -> list:
             raise TrainingFault(f"group reward {name!r} raised {_said(e)} on {where}") from None
         if not isinstance(got, (list, tuple)) or len(got) != len(idx):
             what = f"{len(got)} results" if isinstance(got, (list, tuple)) else f"a {type(got).__name__}"
-            raise TrainingFault(f"group reward {name!r} returned {what} for a group of {len(idx)} rollouts ({where}): a "
-                                f"list of one dict per rollout, in the group's order, is needed")  # fmt: skip
+            raise TrainingFault(f"group reward {name!r} returned {what} for a group of {len(idx)} rollouts ({where}): "
+                                f"a list of one dict per rollout, in the group's order, is needed")  # fmt: skip
         for i, comp in zip(idx, got):
             parts[i] = comp
     return parts

@@ -247,6 +247,7 @@ def numpy_then_raises(record, **_):
             json.dump({"optimizer_steps_at_fault": len(STEPS)}, f)
         return {"reward": {"nested": 1}["missing"]}
     turns = sum(c["role"] == "policy" for c in record["chunks"])
+    record["probe_note"] = np.float32(0.75)  # outside the contract, written into the record: still no crash
     return {"reward": np.float32(0.5), "count": np.int64(2), "turn_rewards": [np.float32(0.25)] * turns}
 
 
@@ -299,6 +300,7 @@ def test_a_reward_that_fails_stops_the_step_before_the_optimizer_and_numpy_scala
     samples = [json.loads(line) for line in (run / "samples" / "step_1.jsonl").read_text().splitlines()]
     assert samples and all(s["reward_components"]["train_probe:numpy_then_raises"] == 0.5 for s in samples)
     assert all(set(s["turn_rewards"]) == {0.25} for s in samples), [s["turn_rewards"] for s in samples]
+    assert all(s["probe_note"] == 0.75 for s in samples)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1"]
     notes = [line for line in out.stdout.splitlines() if "config key 'train.judge' is empty" in line]
     assert len(notes) == 1 and "'webfilter' (z (answer correct) is EM" in notes[0], out.stdout[-2000:]

@@ -89,18 +89,25 @@ def log(run: Path, row: dict) -> None:
     path = run / "metrics.jsonl"
     try:
         with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, default=_plain) + "\n")
     except OSError as e:
         raise RunDirError(f"cannot append to {path}: {_cause(e)}") from None
+
+
+def _plain(value):
+    """json's fallback for what it cannot write, met after the step's optimizer update (a numpy
+    scalar a fork's reward put in a record): numpy's and torch's values as Python numbers or lists,
+    anything else as its repr. Losing the step's samples or metrics row to a type would be worse."""
+    return value.tolist() if hasattr(value, "tolist") else repr(value)
 
 
 def write_samples(run: Path, step: int, records: list[dict]) -> None:
     """samples/step_<step>.jsonl: the records as the viewer reads them."""
     path = run / "samples" / f"step_{step}.jsonl"
     # without private caches such as answers.parsed's "_parsed"; every line made before the file is
-    # opened, so a value json cannot write leaves no empty file (rewards reach here as floats:
-    # agent/scoring.py refuses, before the optimizer, what is not a number)
-    text = "".join(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n" for r in records)
+    # opened, so nothing leaves an empty file (rewards reach here as floats: agent/scoring.py)
+    text = "".join(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}, default=_plain) + "\n"
+                   for r in records)  # fmt: skip
     try:
         path.parent.mkdir(exist_ok=True)
         with open(path, "w") as f:
