@@ -56,7 +56,7 @@ def compute(records: list[dict], spec: str, terms: list[tuple[float, str]], para
                 o["components"] |= {f"{name}/{k}": v for k, v in components.items() if k != "reward"}
             if turns is not None:
                 o["turn_rewards"] = _add_turns(o.get("turn_rewards"), turns, w)
-    # a weighted sum that overflowed
+    # a weighted sum that overflowed, or went out of range
     _refuse([(i, _bad_sum(spec, o)) for i, o in enumerate(out)], records)
     return out
 
@@ -149,10 +149,14 @@ def _real(v, name: str, key: str) -> float:
 
 
 def _bad_sum(spec: str, o: dict) -> str:
-    """'' when the weighted sum of a record is finite, else what _refuse says of it."""
+    """'' when the weighted sum of a record (its reward, its turn rewards) is finite and within
+    +-LIMIT, else what _refuse says of it."""
     values = [o["reward"], *(v for v in o.get("turn_rewards") or [] if v is not None)]
-    wrong = next((v for v in values if not math.isfinite(v)), None)
-    return "" if wrong is None else f"non-finite reward from {spec!r}: {wrong}"
+    if wrong := next((v for v in values if not math.isfinite(v)), None):
+        return f"non-finite reward from {spec!r}: {wrong}"
+    if far := next((v for v in values if abs(v) > LIMIT), None):
+        return f"reward from {spec!r} out of range: {far:g} (beyond +-{LIMIT:g}, where the advantages overflow)"
+    return ""
 
 
 def _refuse(bad: list[tuple[int, str]], records: list[dict]) -> None:

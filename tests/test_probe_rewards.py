@@ -140,6 +140,13 @@ def test_a_bad_reward_is_one_line_naming_the_reward_and_the_record(rollouts, pro
         assert not any("reward" in r for r in records)  # nothing reaches the advantages
 
 
+def test_a_weighted_sum_beyond_the_range_is_refused_too(rollouts):
+    """Each term in range (EM and F1: 1), their weighted sum not: the advantages would overflow."""
+    with pytest.raises(TrainingFault, match=r"reward from '1e100\*em \+ 1e100\*f1' out of range: 2e\+100 .* "
+                                            r"record 0 \(question_id 'q1'"):  # fmt: skip
+        score(fresh(rollouts), "1e100*em + 1e100*f1")
+
+
 def test_numpy_scalars_are_taken_as_floats_and_every_score_serialises(rollouts, probe):
     """A numpy float32 reward, int64 and bool_ components and float32 turn rewards are real
     numbers: taken, as Python floats, so the samples and metrics json writes after the optimizer
