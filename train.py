@@ -181,7 +181,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             times["reward"], t0 = time.time() - t0, time.time()
             stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
         except TrainingFault as e:  # a bad reward, a NaN loss or gradient: stop before it reaches a checkpoint
-            said = str(e) if str(e).startswith(f"step {step + 1}:") else f"step {step + 1}: {e}"  # the engine's says it
+            said = str(e) if str(e).startswith(f"step {step + 1}:") else f"step {step + 1}: {e}"  # engine's has it
             raise TrainingFault(f"{said}. {resume_hint(run)}") from None
         times["train"], t0 = time.time() - t0, time.time()
         gpu["train"] = stage_peak_gib(p.world)  # rewards and the update
@@ -239,9 +239,8 @@ def rollout_stage(p: RunParts, step: int) -> tuple[list[dict], dict]:
                                                        lambda n, k: roll_out_next(p, n, step, k), turns)  # fmt: skip
         if counts["filter"]["groups"] < cfg.train.questions_per_step and p.main:
             tqdm.write(f"filter_groups: step {step + 1}: {counts['filter']['groups']} of {cfg.train.questions_per_step}"
-                       f" groups have rewards (or turn rewards) that differ after {counts['filter']['rounds']} more"
-                       " rounds (train.filter_max_rounds); training on those (none: on the first batch as it was)"
-                       )  # fmt: skip
+                       f" groups have (turn) rewards that differ after {counts['filter']['rounds']} more rounds "
+                       "(train.filter_max_rounds); training on those (none: on the first batch as it was)")  # fmt: skip
     p.engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
     return records, counts
 
@@ -292,7 +291,7 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
     if cfg.train.algo == "ppo":
         trained = trained_records(records, cfg)  # train.mask_truncated: none left is a TrainingFault
         return ppo_update(p.model, p.ref, p.critic, trained, p.optimizer, p.critic_opt, cfg, pad_id, step, p.rank,
-                          p.world) if trained else {}  # fmt: skip
+                          p.world)  # fmt: skip
     trained = trained_records(records, cfg)  # the same records, advantages set below
     advantages = group_advantages(
         [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
@@ -306,7 +305,7 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
             r["advantages"] = adv
     else:  # with turn rewards, equal outcomes still leave the turns' signal
         warn_if_no_signal(advantages, records, step, p.main)
-    stats = grpo_step(p.model, p.ref, trained, p.optimizer, cfg, pad_id, step, p.rank, p.world) if trained else {}
+    stats = grpo_step(p.model, p.ref, trained, p.optimizer, cfg, pad_id, step, p.rank, p.world)
     for r in records:
         r.pop("advantages", None)  # per-token lists would bloat samples/*.jsonl
     return stats | {"adv_nonzero_frac": sum(a != 0 for a in advantages) / len(advantages),
