@@ -12,12 +12,12 @@ reward and the record (its index in the batch, question_id, sample and group_id)
 advantages and the optimizer, and before anything is written: passed on, one NaN makes its
 group's advantages, the loss and every weight NaN; a string or a numpy scalar fails only when
 the samples are written, after the optimizer step; 0 in its place would teach a reward that was
-never computed. Refused: a reward that raises (the exception, its innermost line), one that does
-not return a dict (a group reward: one dict per rollout of the group), a "reward" that is not a
-real number (a str such as "0.5", a bool, None) or not finite or beyond +-LIMIT (an int such as
-10**400 included), a component that is not a real number or not finite, turn_rewards that are
-not a list of one value (a real number or None) per action turn of the record. A numpy scalar
-is a real number: taken, as a float, as a bool component is (1.0 / 0.0).
+never computed. Refused: a reward that raises (the exception, its innermost line); one that does
+not return a dict with str keys (a group reward: a list of one per rollout of the group); a
+"reward" that is not a real number (a str such as "0.5", a bool, None), not finite, or beyond
++-LIMIT (an int such as 10**400 included); a component that is not a real number or not finite;
+turn_rewards that are not a list of one value (a real number or None) per action turn of the
+record. A numpy scalar is a real number: taken, as a float; so is a bool component (1.0 / 0.0).
 """
 
 from __future__ import annotations
@@ -114,6 +114,9 @@ def _one(name: str, comp, record: dict) -> tuple[float, dict, list | None]:
         raise ValueError(f"{head}: {_short(comp)}, a {type(comp).__name__} (a dict with a numeric 'reward' is needed)")
     if "reward" not in comp:
         raise ValueError(f"{head}: no 'reward' key in {_short(comp)}")
+    if (key := next((k for k in comp if not isinstance(k, str)), None)) is not None:  # json writes str keys only
+        raise ValueError(f"reward {name!r} gave a component named {_short(key)}, a {type(key).__name__} (a str is "
+                         f"needed)")  # fmt: skip
     components = {k: _real(v, name, k) for k, v in comp.items() if k != "turn_rewards"}
     turns = comp.get("turn_rewards")
     if turns is not None:

@@ -57,6 +57,9 @@ def huge_component(record, **_):
 def array_component(record, **_):
     return {"reward": 0.5, "scores": np.array([1.0, 2.0])}
 
+def tuple_key(record, **_):
+    return {"reward": 0.5, ("hit", 1): 1.0}
+
 def text_turn(record, **_):
     return {"reward": 0.0, "turn_rewards": ["1", None]}
 
@@ -120,6 +123,7 @@ def fresh(rollouts: list[dict]) -> list[dict]:
     ("none_component", "reward component 'hit_rate' of 'probe_rewards:none_component': None"),
     ("huge_component", "non-finite reward component 'count' of 'probe_rewards:huge_component': an int of 1329"),
     ("array_component", "reward component 'scores' of 'probe_rewards:array_component': array([1., 2.]), a ndarray"),
+    ("tuple_key", "reward 'probe_rewards:tuple_key' gave a component named ('hit', 1), a tuple"),
     ("text_turn", "non-numeric turn reward from 'probe_rewards:text_turn': '1', a str"),
     ("huge_turn", "non-finite turn reward from 'probe_rewards:huge_turn': an int of 1329 bits"),
     ("far_out", "reward from 'probe_rewards:far_out' out of range: 1e+200"),
