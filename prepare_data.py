@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from agent.protocols import SEARCH_R1_PREFIX, search_r1_question
-from trainer.config import DataError
+from trainer.config import DataError, shown
 from trainer.fsync import write_file
-from trainer.questions import load_questions
+from trainer.questions import load_questions, question_lines, unreadable
 
 TRAIN = ("nq", "hotpotqa")  # Search-R1 §4: NQ + HotpotQA training sets (scripts/nq_hotpotqa/data_process.sh)
 TEST = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")  # its Table 2's seven
@@ -44,10 +45,15 @@ SPLIT_ORDER = {"train": ("train",), "test": ("test", "dev", "train")}  # qa_sear
 
 
 def source_file(flashrag: Path, dataset: str, split: str) -> Path:
-    """The FlashRAG file a split of `dataset` comes from (the test split: test, else dev, else train)."""
+    """The FlashRAG file a split of `dataset` comes from (the test split: test, else dev, else train).
+    A name that is there but cannot be read (a broken symlink, a symlink loop, a directory) is a
+    DataError naming it: passed over, the test parquet would be built from the train split."""
     for name in SPLIT_ORDER[split]:
         path = flashrag / dataset / f"{name}.jsonl"
-        if path.is_file():
+        if os.path.lexists(path):
+            if why := unreadable(path):
+                raise DataError(f"{path}: cannot read it ({why}); fix or remove it (the {split} split would "
+                                "otherwise come from another file)")  # fmt: skip
             return path
     tried = " or ".join(f"{dataset}/{name}.jsonl" for name in SPLIT_ORDER[split])
     raise FileNotFoundError(f"{flashrag}: no {tried} (download RUC-NLPIR/FlashRAG_datasets, README 'Search-R1 "
@@ -77,6 +83,24 @@ def search_r1_rows(path: Path, dataset: str, split: str) -> list[dict]:
     return rows
 
 
+def check_ids(rows: list[dict], path: Path, first: tuple[type, str] | None) -> tuple[type, str]:
+    """One parquet column holds one type: every id of a split is text, or every one an integer that
+    fits int64. An id that breaks this is a DataError naming path:line, before anything is written
+    (Arrow's own error came after a line blaming the metadata). `first`: the split's first id type
+    and where it was; returns it."""
+    for row, line in zip(rows, question_lines(path)):
+        qid, here = row["id"], f"{path}:{line}"
+        if isinstance(qid, int) and not -(2**63) <= qid < 2**63:
+            raise DataError(f"{here}: id {qid} does not fit a parquet int64 column; write it as text")
+        if first is None:
+            first = (type(qid), here)
+        elif type(qid) is not first[0]:
+            kind = {str: "text", int: "an integer"}
+            raise DataError(f"{here}: id {shown(qid)} is {kind[type(qid)]}, but the id at {first[1]} is "
+                            f"{kind[first[0]]}: one parquet column holds one type; write every id as text")  # fmt: skip
+    return first
+
+
 def write_parquet(rows: list[dict], path: Path) -> None:
     """Rows -> parquet, metadata as one struct over every source's fields (a field a source lacks is
     null), as `datasets.concatenate_datasets` merges them. Metadata whose fields disagree in type
@@ -102,8 +126,10 @@ def prepare(flashrag: Path, out: Path, train: list[str], test: list[str]) -> dic
     counts = {}
     for split, sources in files.items():
         rows = []
+        first: tuple[type, str] | None = None  # the id type of the split's first row, and where it is
         for dataset, path in sources:
             part = search_r1_rows(path, dataset, split)
+            first = check_ids(part, path, first)
             print(f"  {split}: {dataset:<16} {len(part):>7} rows from {path}", flush=True)
             rows += part
         write_parquet(rows, out / f"{split}.parquet")
