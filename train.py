@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ev = train(cfg, run, ckpt)
     except (DataError, FileNotFoundError, ConfigError, RunDirError, TrainingFault, RetrieverError) as e:
-        if not args.resume:
-            discard_unstarted(run)  # refused before its first step: nothing of it is kept
+        if not args.resume and not isinstance(e, TrainingFault | RetrieverError):  # those come once steps run
+            discard_unstarted(run)  # a refused fresh run leaves no directory (a resumed one is never touched)
         sys.exit(f"error: {e}")  # RunDirError: disk full; TrainingFault: a NaN, a rank that stopped answering
     except RuntimeError as e:  # a collective inside FSDP that timed out: the rank that stopped answering
         if (stop := interrupted()) is not None:
