@@ -114,8 +114,12 @@ def write_parquet(rows: list[dict], path: Path) -> None:
         print(f"{path.name}: metadata fields differ in type across sources ({str(e).splitlines()[0]}); "
               "writing metadata as JSON text", flush=True)  # fmt: skip
         table = pa.Table.from_pylist([r | {"metadata": json.dumps(r["metadata"])} for r in rows])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(path, lambda tmp: pq.write_table(table, tmp))  # whole or not at all
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, lambda tmp: pq.write_table(table, tmp))  # whole or not at all
+    except OSError as e:  # --out under a file, read-only, a full disk: one line, not mkdir's traceback
+        raise DataError(f"cannot write {path} (--out): {e.strerror or e}"
+                        + (f": {e.filename}" if e.filename else "")) from None  # fmt: skip
 
 
 def prepare(flashrag: Path, out: Path, train: list[str], test: list[str]) -> dict[str, int]:
@@ -123,6 +127,8 @@ def prepare(flashrag: Path, out: Path, train: list[str], test: list[str]) -> dic
     checked before anything is written."""
     files = {split: [(d, source_file(flashrag, d, split)) for d in names]
              for split, names in (("train", train), ("test", test)) if names}  # fmt: skip
+    if os.path.lexists(out) and not out.is_dir():  # before reading 170k rows, not after
+        raise DataError(f"--out {out} is not a directory")
     counts = {}
     for split, sources in files.items():
         rows = []

@@ -315,3 +315,41 @@ def test_a_refused_train_leaves_no_run_dir_and_a_refused_resume_keeps_its_own(tm
     with pytest.raises(SystemExit):
         train.main(["--resume", str(old)])  # no checkpoint to resume: refused
     assert sorted(p.name for p in old.iterdir()) == ["checkpoints", "config.yaml", "run.lock"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The same class, beyond the probe's cases: a key twice in a JSON row, numbers Python cannot read
+# back as text, a config file that is no file or no config, --out that is no directory.
+
+
+def test_a_json_row_with_a_key_twice_or_an_unreadable_number_names_its_line(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(row()) + '\n{"id": "b", "question": "a?", "question": "b?", "golden_answers": ["x"]}\n')
+    with pytest.raises(DataError, match=rf"^{path}:2: key 'question' given twice in one object$"):
+        load_questions(path)
+    path.write_text('{"id": "a", "question": "q?", "golden_answers": [' + "1" * 5000 + "]}\n")
+    with pytest.raises(DataError, match=rf"^{path}:1: a number too long to read"):
+        load_questions(path)
+    path.write_text('{"id": "a", "question": "q?", "golden_answers": [' + "1" * 400 + "]}\n")  # too big for a float
+    assert load_questions(path)[0]["golden_answers"] == ["1" * 400]
+
+
+def test_a_config_file_that_is_no_file_or_too_big_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^config file is not a regular file: {tmp_path}$"):
+        load_config(tmp_path)
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (2 << 20) + "\n")
+    with pytest.raises(ConfigError, match=rf"^config file {big} has \d+ bytes; a config is a few KB"):
+        load_config(big)
+
+
+def test_prepare_out_that_is_not_a_directory_is_one_line_before_any_work(tmp_path):
+    flashrag = tmp_path / "flashrag"
+    write_jsonl(flashrag / "nq" / "train.jsonl", [row()])
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, says in ((afile, f"--out {afile} is not a directory"),
+                      (afile / "out", f"cannot write {afile / 'out' / 'train.parquet'} (--out): Not a directory")):
+        with pytest.raises(SystemExit) as e:
+            prepare_data.main(["--flashrag", str(flashrag), "--out", str(out), "--train", "nq", "--test", ""])
+        assert str(e.value.code).startswith(f"error: {says}"), e.value.code

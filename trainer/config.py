@@ -767,11 +767,18 @@ def _check_nodes(root: yaml.Node, where: str, in_file: bool) -> None:
         raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_NODES} values; a config needs no more")
 
 
+MAX_CONFIG_BYTES = 1 << 20  # ours are under 10 KB; a bigger file is not a config (read whole before parsing)
+
+
 def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:
     """Apply one YAML file to cfg; its `base: other.yaml` (relative to the file) goes first, so a
     paper's config names only what it changes (configs/reproduction/tiny_bapo.yaml: `base: tiny_papers.yaml`)."""
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
+        what = "is not a regular file" if os.path.exists(path) else "not found"  # a directory, /dev/zero
+        raise ConfigError(f"config file {what}: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} has {path.stat().st_size} bytes; a config is a few KB (at most "
+                          f"{MAX_CONFIG_BYTES})")  # fmt: skip
     if path.resolve() in seen:
         raise ConfigError(f"config {path}: its base chain loops back to itself")
     try:

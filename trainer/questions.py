@@ -107,7 +107,7 @@ def _golden_as_text(q: dict, where: str) -> int:
     answer never can, so anything else (null, "", a list, an object, a boolean) names its line."""
     converted = 0
     for i, g in enumerate(q["golden_answers"]):
-        if isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g):
+        if isinstance(g, int) and not isinstance(g, bool) or isinstance(g, float) and math.isfinite(g):  # 10**400: int
             q["golden_answers"][i], converted = str(g), converted + 1
         elif not isinstance(g, str) or not g.strip():
             raise DataError(f"{where}: golden answer {i + 1} must be a non-empty string or a number, got "
@@ -198,9 +198,12 @@ def _read_jsonl_numbered(path: Path) -> list[tuple[int, dict]]:
     out = []
     for n, line in _jsonl_lines(path):
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:  # an integer of over 4,300 digits (Python's int_max_str_digits), a key twice
+            why = f"a number too long to read ({str(e).split(':')[0]})" if "digits" in str(e) else str(e)
+            raise DataError(f"{path}:{n}: {why}") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{n}: not a JSON object (got {type(row).__name__})")
         if ("\\ud" in line or "\\uD" in line) and (where := _lone_surrogate(row)):  # only an escape makes one
@@ -208,6 +211,17 @@ def _read_jsonl_numbered(path: Path) -> list[tuple[int, dict]]:
                             "parquet or UTF-8 writer takes it)")  # fmt: skip
         out.append((n, row))
     return out
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads's object hook: a key given twice in one object is a ValueError (json keeps the last
+    without a word, so `{"question": "a", ..., "question": "b"}` trained on "b" unseen)."""
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {twice!r} given twice in one object"[:300])
+    return row
 
 
 def _lone_surrogate(value, field: str = "") -> str | None:
