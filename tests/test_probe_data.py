@@ -17,7 +17,7 @@ import prepare_data
 import run_setup
 import train
 from data import data_paths
-from run_setup import check_index
+from run_setup import check_index, search_params
 from search.index import default_encoder_path
 from trainer.config import MAX_NODES, ConfigError, DataError, load_config
 from trainer.questions import load_questions
@@ -226,10 +226,11 @@ def test_discard_unstarted_removes_only_a_run_that_holds_nothing(tmp_path):
     ("efsearch=16", "takes name=value pairs"), ("nprobe", "takes name=value pairs"),
     ("k_factor_rf=nan", "k_factor_rf must be a number >= 1"),
 ])  # fmt: skip
-def test_search_params_faiss_would_take_silently_or_refuse_late_are_refused_at_load(params, says):
+def test_search_params_faiss_would_take_silently_or_refuse_late_are_refused(params, says):
     with pytest.raises(ConfigError, match=f"config key 'retriever.search_params'.*{says}"):
-        load_config(None, [f"retriever.search_params={params}"])
-    assert load_config(None, ["retriever.search_params=nprobe=8,quantizer_efSearch=16"])
+        check_index(load_config(None, [f"retriever.search_params={params}", "retriever.method=dense"]).retriever)
+    assert search_params("nprobe=8,quantizer_efSearch=16, k_factor_rf=1.5") == {
+        "nprobe": 8, "quantizer_efSearch": 16, "k_factor_rf": 1.5}  # fmt: skip
 
 
 def write_meta(index: Path, method: str, factory: str = "") -> Path:

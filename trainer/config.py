@@ -21,7 +21,7 @@ Run `python -m trainer.config configs/tiny.yaml` to print the config, and
 precision keys print as `auto`: reading a config needs no torch, so the scripts resolve them for
 their machine (trainer/precision.py; `python -m trainer.precision` says what this one picks).
 
-One file on purpose (about 750 lines): every key beside its default, its allowed values
+One file on purpose (about 840 lines): every key beside its default, its allowed values
 (CHOICES) and its range (RANGES) is the reference a user reads; split, it would be three lists
 to keep in step. Its command line (the last ~50 lines) prints that reference: `--keys` reads the
 comments beside the fields, so it cannot drift from them.
@@ -63,23 +63,8 @@ SHOWN_CHARS = 200  # the most of a value an error line echoes
 def shown(value: object, limit: int = SHOWN_CHARS) -> str:
     """repr(value) for an error line, cut to `limit` characters with how long it was: a line stays
     a line (a 302-byte --set of YAML aliases once printed a 580 MB "one-line" error)."""
-    text = repr(value) if not isinstance(value, dict | list | tuple) or _small(value) else f"<{type(value).__name__}>"
+    text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _small(value: object, budget: int = 1000) -> bool:
-    """Whether a nested list / dict has at most `budget` items in all: its repr is then cheap to build."""
-    stack, seen = [value], 0
-    while stack:
-        item = stack.pop()
-        seen += 1
-        if seen > budget:
-            return False
-        if isinstance(item, dict):
-            stack += [*item.keys(), *item.values()]
-        elif isinstance(item, list | tuple):
-            stack += item
-    return True
 
 
 class RunDirError(RuntimeError):
@@ -203,7 +188,9 @@ class RetrieverConfig:
     # with an empty model (the MiniLM default, family minilm)
     encoder_family: str = ""
     index_factory: str = "Flat"  # faiss index_factory string for a default dense index
-    search_params: str = ""  # faiss search parameters, e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
+    # faiss search parameters, e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF): run_setup.SEARCH_PARAMS' names,
+    # each checked against the index's kind before the engine starts (run_setup.check_index)
+    search_params: str = ""
     bm25_backend: str = "scipy"  # scipy | numpy (bm25s) | numba (fastest; 10-30 s compile per process)
     timeout: float = 30.0  # HTTP client: seconds one search may take, retries of a server that is down included
     # HTTP client: 0, one attempt; any other value, retry 5xx and connection errors until `timeout` (backoff 0.5 s
@@ -638,45 +625,7 @@ def _in_range(value: float, spec: str) -> bool:
     return (low <= value if spec[0] == "[" else low < value) and (value <= high if spec[-1] == "]" else value < high)
 
 
-# faiss's search parameters (faiss.ParameterSpace, AutoTune.cpp; 1.15.1): name -> (the index kinds
-# that take it, as a factory string or imported class name spells them, and its least value).
-# faiss itself accepts nprobe=0, -1 or 1.5 without a word, and refuses a name the index lacks only
-# when the index loads, after the engine started: so they are read here.
-SEARCH_PARAMS = {
-    "nprobe": (("IVF",), 1),  # inverted lists visited per query
-    "max_codes": (("IVF",), 0),  # codes scanned per query; 0: no cap
-    "efSearch": (("HNSW",), 1),  # HNSW's search queue (also an IVF's HNSW quantizer)
-    "ht": (("PQ",), 0),  # polysemous Hamming threshold
-    "k_factor_rf": (("RFlat", "Refine"), 1),  # refinement: k x this candidates re-ranked
-    "k_factor": (("PQR",), 1),
-}
-
-
-def search_params(text: str, key: str = "retriever.search_params") -> dict[str, float]:
-    """`nprobe=32,efSearch=64` -> {"nprobe": 32, "efSearch": 64}: each a name faiss knows (a
-    `quantizer_` prefix: an IVF's quantizer) with a value at or above its least (an integer; the
-    k_factors a finite number); anything else is a ConfigError naming `key`."""
-    out = {}
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        name, eq, raw = item.partition("=")
-        base = name.strip().removeprefix("quantizer_")
-        if not eq or base not in SEARCH_PARAMS:
-            raise ConfigError(f"config key '{key}' takes name=value pairs with the names "
-                              f"{', '.join(SEARCH_PARAMS)} (faiss's search parameters); got {shown(item)}")  # fmt: skip
-        least, number = SEARCH_PARAMS[base][1], float if base.startswith("k_factor") else int
-        try:
-            value = number(raw.strip())
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value < least:
-            what = "an integer" if number is int else "a number"
-            raise ConfigError(f"config key '{key}': {name.strip()} must be {what} >= {least}; got {shown(raw)}")
-        out[name.strip()] = value
-    return out
-
-
 def _check_ranges(cfg: Config) -> None:
-    search_params(cfg.retriever.search_params)
     for section in dataclasses.fields(cfg):
         sub = getattr(cfg, section.name)
         for f in dataclasses.fields(sub):
