@@ -83,21 +83,22 @@ def search_r1_rows(path: Path, dataset: str, split: str) -> list[dict]:
     return rows
 
 
-def check_ids(rows: list[dict], path: Path, first: tuple[type, str] | None) -> tuple[type, str]:
+def check_ids(rows: list[dict], path: Path, first: tuple[type, Path, int] | None) -> tuple[type, Path, int]:
     """One parquet column holds one type: every id of a split is text, or every one an integer that
     fits int64. An id that breaks this is a DataError naming path:line, before anything is written
-    (Arrow's own error came after a line blaming the metadata). `first`: the split's first id type
-    and where it was; returns it."""
-    for row, line in zip(rows, question_lines(path)):
-        qid, here = row["id"], f"{path}:{line}"
+    (Arrow's own error came after a line blaming the metadata). `first`: the split's first id type,
+    its file and row; returns it."""
+    line = lambda p, i: f"{p}:{question_lines(p)[i]}"  # noqa: E731  (read again only to name a bad row)
+    for i, qid in enumerate(r["id"] for r in rows):
         if isinstance(qid, int) and not -(2**63) <= qid < 2**63:
-            raise DataError(f"{here}: id {qid} does not fit a parquet int64 column; write it as text")
+            raise DataError(f"{line(path, i)}: id {qid} does not fit a parquet int64 column; write it as text")
         if first is None:
-            first = (type(qid), here)
+            first = (type(qid), path, i)
         elif type(qid) is not first[0]:
             kind = {str: "text", int: "an integer"}
-            raise DataError(f"{here}: id {shown(qid)} is {kind[type(qid)]}, but the id at {first[1]} is "
-                            f"{kind[first[0]]}: one parquet column holds one type; write every id as text")  # fmt: skip
+            raise DataError(f"{line(path, i)}: id {shown(qid)} is {kind[type(qid)]}, but the id at "
+                            f"{line(*first[1:])} is {kind[first[0]]}: one parquet column holds one type; write "
+                            "every id as text")  # fmt: skip
     return first
 
 
@@ -132,7 +133,7 @@ def prepare(flashrag: Path, out: Path, train: list[str], test: list[str]) -> dic
     counts = {}
     for split, sources in files.items():
         rows = []
-        first: tuple[type, str] | None = None  # the id type of the split's first row, and where it is
+        first: tuple[type, Path, int] | None = None  # the id type of the split's first row, and where it is
         for dataset, path in sources:
             part = search_r1_rows(path, dataset, split)
             first = check_ids(part, path, first)

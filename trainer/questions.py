@@ -81,7 +81,7 @@ def unreadable(path: Path) -> str | None:
     """Why `path`, which exists as something (os.path.lexists), cannot be read as a data file: a
     directory, a broken symlink, a symlink loop, a device or fifo, no permission; None when it can.
     A caller that skipped such a path as missing would read another file without a word
-    (prepare_data.py took nq/train.jsonl for a broken nq/test.jsonl link, 88e794b's probe)."""
+    (prepare_data.py took nq/train.jsonl for a broken nq/test.jsonl link: issue 55's probe of fcae7e2)."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
@@ -107,7 +107,8 @@ def _golden_as_text(q: dict, where: str) -> int:
     answer never can, so anything else (null, "", a list, an object, a boolean) names its line."""
     converted = 0
     for i, g in enumerate(q["golden_answers"]):
-        if isinstance(g, int) and not isinstance(g, bool) or isinstance(g, float) and math.isfinite(g):  # 10**400: int
+        # an int is never non-finite, and math.isfinite(10**400) raises: only a float is asked
+        if (isinstance(g, int) and not isinstance(g, bool)) or (isinstance(g, float) and math.isfinite(g)):
             q["golden_answers"][i], converted = str(g), converted + 1
         elif not isinstance(g, str) or not g.strip():
             raise DataError(f"{where}: golden answer {i + 1} must be a non-empty string or a number, got "
