@@ -354,3 +354,11 @@ def test_prepare_out_that_is_not_a_directory_is_one_line_before_any_work(tmp_pat
         with pytest.raises(SystemExit) as e:
             prepare_data.main(["--flashrag", str(flashrag), "--out", str(out), "--train", "nq", "--test", ""])
         assert str(e.value.code).startswith(f"error: {says}"), e.value.code
+
+
+@pytest.mark.parametrize("name", ["a/b", "x" * 300, "", ".."])
+def test_a_train_name_that_is_no_directory_name_names_the_key(name):
+    """At fcae7e2 a 100 KB name reached mkdir: a RunDirError echoing the whole path."""
+    with pytest.raises(ConfigError, match=r"^config key 'train.name' must be one directory name") as e:
+        load_config(None, [f"train.name={name}"])
+    assert len(str(e.value)) < 500

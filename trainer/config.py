@@ -649,6 +649,10 @@ def _check_ranges(cfg: Config) -> None:
     if cfg.retriever.url and (url.scheme not in ("http", "https") or not url.hostname):
         raise ConfigError(f"config key 'retriever.url' must be an http(s) URL such as http://127.0.0.1:8000 "
                           f"(or empty: search in process); got {shown(cfg.retriever.url)}")  # fmt: skip
+    name = cfg.train.name
+    if not name.strip() or "/" in name or "\0" in name or name in (".", "..") or len(name.encode()) > 200:
+        raise ConfigError(f"config key 'train.name' must be one directory name of at most 200 bytes (the run "
+                          f"directory is <train.run_dir>/<name>-<time>); got {shown(name)}")  # fmt: skip
     m = cfg.model
     if not m.path and m.hidden_size % m.num_heads:  # the tiny policy is built from these numbers
         raise ConfigError(f"config key 'model.hidden_size' must be a multiple of model.num_heads; "
