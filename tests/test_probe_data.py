@@ -1,8 +1,8 @@
 """What a data file or a config declares is read, or refused in one line naming path:line or the
 key, before anything slow starts (issue 55's probe of fcae7e2: findings 3, 8, 9, 11, 12, 13).
 
-No model loads here but in the one test that runs train.py's setup on the micro world, and there
-the engine is a stand-in that fails the test if it is ever built: the refusal must come first."""
+No model loads here: the tests that run train.py are refused before any does, and where setup
+could reach the engine it is a stand-in that fails the test if built (the refusal must come first)."""
 
 import json
 import os
