@@ -29,7 +29,7 @@ from rollout import prompt_ids
 from tiny.warm_start import warm_start_dir
 from tiny.world import ensure_world_data, world_data_dir, world_dir
 from trainer.config import Config, DataError, RolloutConfig
-from trainer.questions import question_lines
+from trainer.questions import question_lines, unreadable
 
 ROOT = Path(__file__).resolve().parent  # the repository, so `python -m tiny.sft` runs from any directory
 
@@ -125,8 +125,10 @@ def data_paths(cfg: Config) -> dict[str, Path]:
         given = getattr(cfg.data, kind)
         paths[kind] = Path(given) if given else tiny / f"{kind}.jsonl"
     for kind in ("corpus", "train", "val"):
-        if not paths[kind].is_file():
+        if not os.path.lexists(paths[kind]):
             raise FileNotFoundError(f"{kind} file not found: {paths[kind]}")
+        if why := unreadable(paths[kind]):  # a directory or a broken link: said as such, not "not found"
+            raise FileNotFoundError(f"{kind} file {paths[kind]} cannot be read: {why}")
     return paths
 
 

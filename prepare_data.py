@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from agent.protocols import SEARCH_R1_PREFIX, search_r1_question
-from trainer.config import DataError
+from trainer.config import DataError, shown
 from trainer.fsync import write_file
-from trainer.questions import load_questions
+from trainer.questions import load_questions, question_lines, unreadable
 
 TRAIN = ("nq", "hotpotqa")  # Search-R1 §4: NQ + HotpotQA training sets (scripts/nq_hotpotqa/data_process.sh)
 TEST = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")  # its Table 2's seven
@@ -44,10 +45,15 @@ SPLIT_ORDER = {"train": ("train",), "test": ("test", "dev", "train")}  # qa_sear
 
 
 def source_file(flashrag: Path, dataset: str, split: str) -> Path:
-    """The FlashRAG file a split of `dataset` comes from (the test split: test, else dev, else train)."""
+    """The FlashRAG file a split of `dataset` comes from (the test split: test, else dev, else train).
+    A name that is there but cannot be read (a broken symlink, a symlink loop, a directory) is a
+    DataError naming it: passed over, the test parquet would be built from the train split."""
     for name in SPLIT_ORDER[split]:
         path = flashrag / dataset / f"{name}.jsonl"
-        if path.is_file():
+        if os.path.lexists(path):
+            if why := unreadable(path):
+                raise DataError(f"{path}: cannot read it ({why}); fix or remove it (the {split} split would "
+                                "otherwise come from another file)")  # fmt: skip
             return path
     tried = " or ".join(f"{dataset}/{name}.jsonl" for name in SPLIT_ORDER[split])
     raise FileNotFoundError(f"{flashrag}: no {tried} (download RUC-NLPIR/FlashRAG_datasets, README 'Search-R1 "
@@ -77,6 +83,25 @@ def search_r1_rows(path: Path, dataset: str, split: str) -> list[dict]:
     return rows
 
 
+def check_ids(rows: list[dict], path: Path, first: tuple[type, Path, int] | None) -> tuple[type, Path, int]:
+    """One parquet column holds one type: every id of a split is text, or every one an integer that
+    fits int64. An id that breaks this is a DataError naming path:line, before anything is written
+    (Arrow's own error came after a line blaming the metadata). `first`: the split's first id type,
+    its file and row; returns it."""
+    line = lambda p, i: f"{p}:{question_lines(p)[i]}"  # noqa: E731  (read again only to name a bad row)
+    for i, qid in enumerate(r["id"] for r in rows):
+        if isinstance(qid, int) and not -(2**63) <= qid < 2**63:
+            raise DataError(f"{line(path, i)}: id {qid} does not fit a parquet int64 column; write it as text")
+        if first is None:
+            first = (type(qid), path, i)
+        elif type(qid) is not first[0]:
+            kind = {str: "text", int: "an integer"}
+            raise DataError(f"{line(path, i)}: id {shown(qid)} is {kind[type(qid)]}, but the id at "
+                            f"{line(*first[1:])} is {kind[first[0]]}: one parquet column holds one type; write "
+                            "every id as text")  # fmt: skip
+    return first
+
+
 def write_parquet(rows: list[dict], path: Path) -> None:
     """Rows -> parquet, metadata as one struct over every source's fields (a field a source lacks is
     null), as `datasets.concatenate_datasets` merges them. Metadata whose fields disagree in type
@@ -90,8 +115,12 @@ def write_parquet(rows: list[dict], path: Path) -> None:
         print(f"{path.name}: metadata fields differ in type across sources ({str(e).splitlines()[0]}); "
               "writing metadata as JSON text", flush=True)  # fmt: skip
         table = pa.Table.from_pylist([r | {"metadata": json.dumps(r["metadata"])} for r in rows])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(path, lambda tmp: pq.write_table(table, tmp))  # whole or not at all
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, lambda tmp: pq.write_table(table, tmp))  # whole or not at all
+    except OSError as e:  # --out under a file, read-only, a full disk: one line, not mkdir's traceback
+        raise DataError(f"cannot write {path} (--out): {e.strerror or e}"
+                        + (f": {e.filename}" if e.filename else "")) from None  # fmt: skip
 
 
 def prepare(flashrag: Path, out: Path, train: list[str], test: list[str]) -> dict[str, int]:
@@ -99,11 +128,15 @@ def prepare(flashrag: Path, out: Path, train: list[str], test: list[str]) -> dic
     checked before anything is written."""
     files = {split: [(d, source_file(flashrag, d, split)) for d in names]
              for split, names in (("train", train), ("test", test)) if names}  # fmt: skip
+    if os.path.lexists(out) and not out.is_dir():  # before reading 170k rows, not after
+        raise DataError(f"--out {out} is not a directory")
     counts = {}
     for split, sources in files.items():
         rows = []
+        first: tuple[type, Path, int] | None = None  # the id type of the split's first row, and where it is
         for dataset, path in sources:
             part = search_r1_rows(path, dataset, split)
+            first = check_ids(part, path, first)
             print(f"  {split}: {dataset:<16} {len(part):>7} rows from {path}", flush=True)
             rows += part
         write_parquet(rows, out / f"{split}.parquet")

@@ -127,7 +127,7 @@ from trainer.ppo import ppo_update
 from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
 from trainer.reward_spec import judge_note
-from trainer.rundir import check_resume_config, own_run_dir
+from trainer.rundir import check_resume_config, discard_unstarted, own_run_dir
 from trainer.tracking import (
     check_report_to,
     close_trackers,
@@ -471,6 +471,8 @@ def main(argv: list[str] | None = None) -> None:
             check_shared_run_dir(run, rank)  # several machines: one filesystem, or one line here
             own_run_dir(run)
     except (ConfigError, FileNotFoundError, RunDirError) as e:  # RunDirError: run_dir read-only, bad checkpoint
+        if run is not None and not args.resume:
+            discard_unstarted(run)  # a refused fresh run leaves no directory (a resumed one is never touched)
         parser.error(str(e))
     except Interrupted as e:
         stopped(e)
@@ -482,6 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ev = train(cfg, run, ckpt)
     except (DataError, FileNotFoundError, ConfigError, RunDirError, TrainingFault, RetrieverError) as e:
+        if not args.resume and not isinstance(e, TrainingFault | RetrieverError):  # those come once steps run
+            discard_unstarted(run)  # a refused fresh run leaves no directory (a resumed one is never touched)
         sys.exit(f"error: {e}")  # RunDirError: disk full; TrainingFault: a NaN, a rank that stopped answering
     except RuntimeError as e:  # a collective inside FSDP that timed out: the rank that stopped answering
         if (stop := interrupted()) is not None:

@@ -21,7 +21,7 @@ Run `python -m trainer.config configs/tiny.yaml` to print the config, and
 precision keys print as `auto`: reading a config needs no torch, so the scripts resolve them for
 their machine (trainer/precision.py; `python -m trainer.precision` says what this one picks).
 
-One file on purpose (about 750 lines): every key beside its default, its allowed values
+One file on purpose (about 840 lines): every key beside its default, its allowed values
 (CHOICES) and its range (RANGES) is the reference a user reads; split, it would be three lists
 to keep in step. Its command line (the last ~50 lines) prints that reference: `--keys` reads the
 comments beside the fields, so it cannot drift from them.
@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import inspect
 import math
+import os
 import sys
 import typing
 import urllib.parse
@@ -53,7 +54,17 @@ class DataError(ValueError):
 def json_type(value) -> str:
     """What a JSON value is, for a DataError: null, a boolean, int 42, a list, an object."""
     names = {type(None): "null", bool: "a boolean", dict: "an object", list: "a list"}
-    return names.get(type(value), f"{type(value).__name__} {value!r}")
+    return names.get(type(value), f"{type(value).__name__} {shown(value)}")
+
+
+SHOWN_CHARS = 200  # the most of a value an error line echoes
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """repr(value) for an error line, cut to `limit` characters with how long it was: a line stays
+    a line (a 302-byte --set of YAML aliases once printed a 580 MB "one-line" error)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class RunDirError(RuntimeError):
@@ -177,7 +188,9 @@ class RetrieverConfig:
     # with an empty model (the MiniLM default, family minilm)
     encoder_family: str = ""
     index_factory: str = "Flat"  # faiss index_factory string for a default dense index
-    search_params: str = ""  # faiss search parameters, e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
+    # faiss search parameters, e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF): run_setup.SEARCH_PARAMS' names,
+    # each checked against the index's kind before the engine starts (run_setup.check_index)
+    search_params: str = ""
     bm25_backend: str = "scipy"  # scipy | numpy (bm25s) | numba (fastest; 10-30 s compile per process)
     timeout: float = 30.0  # HTTP client: seconds one search may take, retries of a server that is down included
     # HTTP client: 0, one attempt; any other value, retry 5xx and connection errors until `timeout` (backoff 0.5 s
@@ -392,7 +405,7 @@ def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
     names = {f.name: f for f in dataclasses.fields(obj)}
     where = prefix.rstrip(".") or "the top level"
     if head not in names:
-        raise ConfigError(f"unknown config key '{prefix}{head}' (known keys in {where}: {', '.join(names)})")
+        raise ConfigError(f"unknown config key {shown(prefix + head)} (known keys in {where}: {', '.join(names)})")
     current = getattr(obj, head)
     if dataclasses.is_dataclass(current):
         if rest:
@@ -407,7 +420,7 @@ def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
         current[rest] = value
         return
     if rest:
-        raise ConfigError(f"config key '{prefix}{head}' has no sub-key '{rest}'")
+        raise ConfigError(f"config key '{prefix}{head}' has no sub-key {shown(rest)}")
     setattr(obj, head, _coerce(value, typing.get_type_hints(type(obj))[head], prefix + head))
 
 
@@ -417,9 +430,9 @@ def _coerce(value: object, kind: type, key: str) -> object:
     if kind == bool | str:  # true | false | auto (trainer/precision.py)
         if isinstance(value, bool) or value == "auto":
             return value
-        raise ConfigError(f"config key '{key}' must be true, false or auto; got {value!r}")
+        raise ConfigError(f"config key '{key}' must be true, false or auto; got {shown(value)}")
     if isinstance(value, bool) and kind in (int, float):
-        raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {value!r}")
+        raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {shown(value)}")
     if kind is list and isinstance(value, str):  # --set train.report_to=tensorboard,wandb
         return [v.strip() for v in value.split(",") if v.strip()]
     if kind is float and isinstance(value, (int, float)):
@@ -431,7 +444,7 @@ def _coerce(value: object, kind: type, key: str) -> object:
             pass
     if isinstance(value, kind):
         return value
-    raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {value!r}")
+    raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {shown(value)}")
 
 
 # Keys whose value must be one of a few words; a typo is an error naming the key, not a silent default.
@@ -461,45 +474,49 @@ def _check_encoder_family(r: RetrieverConfig) -> None:
     families = ("e5", "bge", "minilm")  # search/index.py ENCODER_FAMILIES
     if r.model and r.encoder_family not in families:
         raise ConfigError(f"config key 'retriever.encoder_family' must be one of {', '.join(families)} with "
-                          f"retriever.model {r.model!r} (its prefixes and pooling; never guessed from the path); "
-                          f"got {r.encoder_family!r}")  # fmt: skip
+                          f"retriever.model {shown(r.model)} (its prefixes and pooling; never guessed from the path); "
+                          f"got {shown(r.encoder_family)}")  # fmt: skip
     if not r.model and r.encoder_family not in ("", "minilm"):
-        raise ConfigError(f"config key 'retriever.encoder_family' {r.encoder_family!r} needs retriever.model, its "
+        raise ConfigError(f"config key 'retriever.encoder_family' {shown(r.encoder_family)} needs retriever.model, its "
                           "encoder; without one it is the MiniLM default, family minilm (or empty)")  # fmt: skip
 
 
 def _check_choices(cfg: Config) -> None:
     for name in cfg.train.report_to:
         if name not in ("tensorboard", "wandb"):
-            raise ConfigError(f"config key 'train.report_to' must list tensorboard and / or wandb; got {name!r}")
+            raise ConfigError(f"config key 'train.report_to' must list tensorboard and / or wandb; got {shown(name)}")
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
-            raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {value!r}")
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {shown(value)}")
     _check_encoder_family(cfg.retriever)
     if cfg.sft.think_cites_source and cfg.rollout.protocol != "search_r1":
         raise ConfigError("config key 'sft.think_cites_source' is for the Search-R1 teacher (world.teacher_segments); "
-                          f"rollout.protocol is {cfg.rollout.protocol!r}")  # fmt: skip
+                          f"rollout.protocol is {shown(cfg.rollout.protocol)}")  # fmt: skip
     if cfg.sft.warm_start and (not cfg.model.path or cfg.rollout.protocol != "search_r1"):
         raise ConfigError("config key 'sft.warm_start' fine-tunes your model.path on the Search-R1 teacher: it needs "
-                          f"model.path and rollout.protocol search_r1; got {cfg.model.path!r}, "
-                          f"{cfg.rollout.protocol!r}")  # fmt: skip
+                          f"model.path and rollout.protocol search_r1; got {shown(cfg.model.path)}, "
+                          f"{shown(cfg.rollout.protocol)}")  # fmt: skip
+    if cfg.rollout.protocol in ("deliberative", "webfilter") and cfg.retriever.url:  # was refused after the engine
+        raise ConfigError(f"config key 'rollout.protocol' {cfg.rollout.protocol!r} needs an in-process index "
+                          "(operators, read by id); retriever.url is a Search-R1 /retrieve server: set "
+                          "retriever.index instead")  # fmt: skip
     r = cfg.rollout
     if r.search_r1_text and (r.protocol != "search_r1" or r.prompt_template or r.allow_idk):
         raise ConfigError("config key 'rollout.search_r1_text' is Search-R1's own prompt and tags: it needs "
                           "rollout.protocol search_r1, an empty rollout.prompt_template and rollout.allow_idk "
-                          f"false; got {r.protocol!r}, {r.prompt_template!r}, {r.allow_idk}")  # fmt: skip
+                          f"false; got {shown(r.protocol)}, {shown(r.prompt_template)}, {r.allow_idk}")  # fmt: skip
     if cfg.train.filter_groups and (cfg.train.algo != "grpo" or cfg.train.resample_groups):
         raise ConfigError("config key 'train.filter_groups' refills groups with no GRPO signal: it needs train.algo "
-                          f"grpo and no BAPO resampling (train.resample_groups 0); got {cfg.train.algo!r}, "
+                          f"grpo and no BAPO resampling (train.resample_groups 0); got {shown(cfg.train.algo)}, "
                           f"{cfg.train.resample_groups}")  # fmt: skip
     if cfg.rollout.tensor_parallel_size > 1 and (cfg.rollout.engine, cfg.rollout.weight_sync) != ("vllm", "memory"):
         raise ConfigError("config key 'rollout.tensor_parallel_size' > 1 shares a vLLM engine between training "
                           "processes: it needs rollout.engine vllm and rollout.weight_sync memory")  # fmt: skip
     if not 0.0 <= cfg.sft.p_confidence_hint <= 1.0 or (cfg.sft.p_confidence_hint and cfg.sft.confidence != "random"):
         raise ConfigError(f"config key 'sft.p_confidence_hint' must be in [0, 1] and needs sft.confidence: random; "
-                          f"got {cfg.sft.p_confidence_hint!r} with confidence {cfg.sft.confidence!r}")  # fmt: skip
+                          f"got {cfg.sft.p_confidence_hint!r} with confidence {shown(cfg.sft.confidence)}")  # fmt: skip
 
 
 # The allowed range of every numeric key, as its error message says it: ">= 1", "> 0", "[0, 1]",
@@ -614,12 +631,12 @@ def _check_ranges(cfg: Config) -> None:
         for f in dataclasses.fields(sub):
             value = getattr(sub, f.name)
             if isinstance(value, float) and not math.isfinite(value):  # nan passes no comparison, inf most
-                raise ConfigError(f"config key '{section.name}.{f.name}' must be a finite number; got {value!r}")
+                raise ConfigError(f"config key '{section.name}.{f.name}' must be a finite number; got {shown(value)}")
     for key, spec in RANGES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if not _in_range(value, spec):
-            raise ConfigError(f"config key '{key}' must be {'' if spec[0] == '>' else 'in '}{spec}; got {value!r}")
+            raise ConfigError(f"config key '{key}' must be {'' if spec[0] == '>' else 'in '}{spec}; got {shown(value)}")
     t = cfg.train
     if t.algo == "grpo" and t.group_size < 2:
         raise ConfigError(f"config key 'train.group_size' must be >= 2 with train.algo grpo: a one-rollout group has "
@@ -627,11 +644,15 @@ def _check_ranges(cfg: Config) -> None:
                           f"got {t.group_size}")  # fmt: skip
     if 0 < t.dual_clip <= 1:
         raise ConfigError(f"config key 'train.dual_clip' must be 0 (off) or > 1 (dual-clip PPO's c: at c <= 1 the "
-                          f"cap -c A would clip on-policy tokens too); got {t.dual_clip!r}")  # fmt: skip
+                          f"cap -c A would clip on-policy tokens too); got {shown(t.dual_clip)}")  # fmt: skip
     url = urllib.parse.urlsplit(cfg.retriever.url)
     if cfg.retriever.url and (url.scheme not in ("http", "https") or not url.hostname):
         raise ConfigError(f"config key 'retriever.url' must be an http(s) URL such as http://127.0.0.1:8000 "
-                          f"(or empty: search in process); got {cfg.retriever.url!r}")  # fmt: skip
+                          f"(or empty: search in process); got {shown(cfg.retriever.url)}")  # fmt: skip
+    name = cfg.train.name
+    if not name.strip() or "/" in name or "\0" in name or name in (".", "..") or len(name.encode()) > 200:
+        raise ConfigError(f"config key 'train.name' must be one directory name of at most 200 bytes (the run "
+                          f"directory is <train.run_dir>/<name>-<time>); got {shown(name)}")  # fmt: skip
     m = cfg.model
     if not m.path and m.hidden_size % m.num_heads:  # the tiny policy is built from these numbers
         raise ConfigError(f"config key 'model.hidden_size' must be a multiple of model.num_heads; "
@@ -640,21 +661,77 @@ def _check_ranges(cfg: Config) -> None:
 
 def _parse_yaml(text: str, where: str, in_file: bool = True) -> object:
     """yaml.safe_load, with a syntax error as one line that names the file and line (or the override)
-    instead of yaml's multi-line report and a traceback."""
+    instead of yaml's multi-line report and a traceback. Read as a node graph first (_check_nodes):
+    a key given twice in one mapping is refused (YAML keeps the last without a word), and so is an
+    alias in an override or a file whose aliases expand past MAX_NODES (a 302-byte --set of nested
+    aliases took 23 s and 1.2 GB to expand, and one level more ~11 GB)."""
+    loader = yaml.SafeLoader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, where, in_file)
+        return loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None and in_file else where
         what = ": ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
         raise ConfigError(f"{at}: not valid YAML ({what})") from None
+    except RecursionError:  # [[[[...: the composer recurses once per level
+        raise ConfigError(f"{where}: YAML nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+MAX_NODES = 100_000  # YAML nodes a config may expand to, aliases counted each time used (ours: a few hundred)
+
+
+def _check_nodes(root: yaml.Node, where: str, in_file: bool) -> None:
+    """Refuse a key twice in one mapping (naming the line), an alias in an override, and a graph
+    whose aliases expand past MAX_NODES; counted once per distinct node (linear in the text)."""
+    size: dict[int, int] = {}  # id(node) -> its expanded size
+
+    def expanded(node: yaml.Node) -> int:
+        if id(node) in size:  # the composer gives an alias the anchored node itself: met twice
+            if not in_file:
+                raise ConfigError(f"{where}: YAML aliases (*name) are not taken in an override")
+            return size[id(node)]
+        size[id(node)] = MAX_NODES + 1  # a node met again inside itself (a recursive alias): too big
+        children = [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []  # fmt: skip
+        if isinstance(node, yaml.MappingNode):
+            keys: dict[str, int] = {}
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    line = key.start_mark.line + 1
+                    if key.value in keys:
+                        at, first = (f"{where}:{line}", f" (first at line {keys[key.value]})") if in_file else \
+                            (where, "")  # fmt: skip
+                        raise ConfigError(f"{at}: key {shown(key.value)} given twice in one mapping{first}; YAML "
+                                          "would keep the last without a word")  # fmt: skip
+                    keys[key.value] = line
+        total = 1
+        for child in children:
+            total = min(total + expanded(child), MAX_NODES + 1)
+        size[id(node)] = total
+        return total
+
+    if expanded(root) > MAX_NODES:
+        raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_NODES} values; a config needs no more")
+
+
+MAX_CONFIG_BYTES = 1 << 20  # ours are under 10 KB; a bigger file is not a config (read whole before parsing)
 
 
 def _apply_file(cfg: Config, path: Path, seen: list[Path]) -> None:
     """Apply one YAML file to cfg; its `base: other.yaml` (relative to the file) goes first, so a
     paper's config names only what it changes (configs/reproduction/tiny_bapo.yaml: `base: tiny_papers.yaml`)."""
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
+        what = "is not a regular file" if os.path.exists(path) else "not found"  # a directory, /dev/zero
+        raise ConfigError(f"config file {what}: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} has {path.stat().st_size} bytes; a config is a few KB (at most "
+                          f"{MAX_CONFIG_BYTES})")  # fmt: skip
     if path.resolve() in seen:
         raise ConfigError(f"config {path}: its base chain loops back to itself")
     try:
@@ -684,11 +761,25 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for item in overrides or []:
         key, eq, raw = item.partition("=")
         if not eq:
-            raise ConfigError(f"override {item!r} must look like key.sub=value")
-        _set(cfg, key.strip(), _parse_yaml(raw, f"override {item!r}", in_file=False) if raw.strip() else "")
+            raise ConfigError(f"override {shown(item)} must look like key.sub=value")
+        _set(cfg, key.strip(), _parse_yaml(raw, f"override {shown(item)}", in_file=False) if raw.strip() else "")
     _check_choices(cfg)
     _check_ranges(cfg)
+    _check_cache_dir(cfg)
     return cfg
+
+
+def _check_cache_dir(cfg: Config) -> None:
+    """world.cache_dir is a directory, made on first use: one that is, or lies under, anything else
+    (`/dev/zero`, a file) is refused here, naming the key, not a NotADirectoryError deep in a build."""
+    path = Path(cfg.world.cache_dir)
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:  # the nearest part that exists
+        probe = probe.parent
+    if os.path.lexists(probe) and not probe.is_dir():
+        under = "" if probe == path else f" lies under {probe}, which"
+        raise ConfigError(f"config key 'world.cache_dir' must be a directory (made if missing); {shown(str(path))}"
+                          f"{under} is not one")  # fmt: skip
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -14,8 +14,11 @@ and tiny/papers.py; imports nothing of the project but trainer/config.py.
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 import math
+import os
+import stat
 from pathlib import Path
 
 from trainer.config import DataError, json_type
@@ -33,8 +36,10 @@ def load_questions(path: Path) -> list[dict]:
     sources by construction; a row with a `data_source` is therefore identified within it, its id
     written `<data_source>/<id>` ("nq/train_0", "hotpotqa/train_0")."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"question file not found: {path}")
+    if why := unreadable(path):
+        raise DataError(f"{path}: cannot read it as a question file: {why}")
     if path.suffix == ".parquet":
         numbered = list(enumerate(read_parquet_questions(path), 1))
     else:
@@ -59,6 +64,8 @@ def load_questions(path: Path) -> list[dict]:
             raise DataError(f"{path}:{n}: metadata must be an object, got {json_type(q['metadata'])}")
         if q.get("id") is None:
             raise DataError(f"{path}:{n}: no id (the rollouts of a question are grouped by its id)")
+        if not isinstance(q["id"], str | int) or isinstance(q["id"], bool):  # 1.0, true, [1]: not an id
+            raise DataError(f"{path}:{n}: id must be text or an integer, got {json_type(q['id'])}")
         qid = str(q["id"])  # as rollout.py's group ids see it: 7 and "7" are one id
         if qid in first_line:
             raise DataError(f"{path}:{n}: duplicate id {qid!r} (first at line {first_line[qid]})")
@@ -70,13 +77,38 @@ def load_questions(path: Path) -> list[dict]:
     return [q for _, q in numbered]
 
 
+def unreadable(path: Path) -> str | None:
+    """Why `path`, which exists as something (os.path.lexists), cannot be read as a data file: a
+    directory, a broken symlink, a symlink loop, a device or fifo, no permission; None when it can.
+    A caller that skipped such a path as missing would read another file without a word
+    (prepare_data.py took nq/train.jsonl for a broken nq/test.jsonl link: issue 55's probe of fcae7e2)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop"
+        if os.path.islink(path):
+            return f"a symlink to {os.readlink(path)}, which is not there"
+        return e.strerror or str(e)
+    if stat.S_ISDIR(mode):
+        return "a directory, not a file"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a device, fifo or socket)"
+    try:
+        open(path, "rb").close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def _golden_as_text(q: dict, where: str) -> int:
     """Each golden answer as a non-empty string, in place; returns how many were numbers. The scorers
     compare text: a number would never match ("1990" vs 1990 scored EM 0 in 88e794b) and an empty
     answer never can, so anything else (null, "", a list, an object, a boolean) names its line."""
     converted = 0
     for i, g in enumerate(q["golden_answers"]):
-        if isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g):
+        # an int is never non-finite, and math.isfinite(10**400) raises: only a float is asked
+        if (isinstance(g, int) and not isinstance(g, bool)) or (isinstance(g, float) and math.isfinite(g)):
             q["golden_answers"][i], converted = str(g), converted + 1
         elif not isinstance(g, str) or not g.strip():
             raise DataError(f"{where}: golden answer {i + 1} must be a non-empty string or a number, got "
@@ -167,13 +199,50 @@ def _read_jsonl_numbered(path: Path) -> list[tuple[int, dict]]:
     out = []
     for n, line in _jsonl_lines(path):
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:  # an integer of over 4,300 digits (Python's int_max_str_digits), a key twice
+            why = f"a number too long to read ({str(e).split(':')[0]})" if "digits" in str(e) else str(e)
+            raise DataError(f"{path}:{n}: {why}") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{n}: not a JSON object (got {type(row).__name__})")
+        if ("\\ud" in line or "\\uD" in line) and (where := _lone_surrogate(row)):  # only an escape makes one
+            raise DataError(f"{path}:{n}: {where}: a lone UTF-16 surrogate is not text (no tokenizer, "
+                            "parquet or UTF-8 writer takes it)")  # fmt: skip
         out.append((n, row))
     return out
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads's object hook: a key given twice in one object is a ValueError (json keeps the last
+    without a word, so `{"question": "a", ..., "question": "b"}` trained on "b" unseen)."""
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {twice!r} given twice in one object"[:300])
+    return row
+
+
+def _lone_surrogate(value, field: str = "") -> str | None:
+    """Where in a parsed JSON value a lone surrogate sits ("\\ud800" escaped alone: json.loads keeps
+    it, and the tokenizer raises a TypeError after the file passed): `question character 3`,
+    `metadata.title character 1`; None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{field or 'a value'} character {e.start + 1}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, sub in items:
+        name = f"{field}[{key}]" if isinstance(key, int) else f"{field}.{key}" if field else str(key)
+        if isinstance(key, str) and (where := _lone_surrogate(key, f"the key of {name}")):
+            return where
+        if where := _lone_surrogate(sub, name):
+            return where
+    return None
 
 
 def read_parquet_questions(path: Path) -> list[dict]:
@@ -194,28 +263,46 @@ def read_parquet_questions(path: Path) -> list[dict]:
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(f"{path}: cannot read it as parquet ({str(e).splitlines()[0] if str(e) else e!r})") from None
     out = []
-    for n, row in enumerate(rows):
-        truth = (row.get("reward_model") or {}).get("ground_truth") or {}
-        golden = row.get("golden_answers") or truth.get("target") or []
+    for n, row in enumerate(rows, 1):
+        where = f"{path}:{n}"
+        reward_model = _field(row, "reward_model", dict, where)
+        truth = _field(reward_model or {}, "ground_truth", dict, where, "reward_model.ground_truth") or {}
+        golden = row.get("golden_answers")
+        if golden is None or (isinstance(golden, list) and not golden):  # verl's target is the same list
+            golden = truth.get("target")
         question = row.get("question")
         if question is None:
             question = _prompt_text(row.get("prompt"))
         qid = row.get("id")
         if qid is None:
-            qid = (row.get("extra_info") or {}).get("index", n)
-        source = row.get("data_source")
+            qid = (_field(row, "extra_info", dict, where) or {}).get("index", n - 1)
+        if not isinstance(qid, str | int) or isinstance(qid, bool):
+            raise DataError(f"{where}: id must be text or an integer, got {json_type(qid)}")
+        source = _field(row, "data_source", str, where)
         meta = row.get("metadata")
         if isinstance(meta, str):  # prepare_data.py writes metadata whose fields clash in type as JSON text
             try:
                 meta = json.loads(meta)
             except json.JSONDecodeError:
-                raise DataError(f"{path}:{n + 1}: metadata is text but not JSON") from None
+                raise DataError(f"{where}: metadata is text but not JSON") from None
+        if meta is not None and not isinstance(meta, dict):
+            raise DataError(f"{where}: metadata must be an object, got {json_type(meta)}")
         if source:
-            meta = (meta if isinstance(meta, dict) else {}) | {"dataset": source}
+            meta = (meta or {}) | {"dataset": source}
             qid = f"{source}/{qid}"
-        golden = golden if isinstance(golden, str) else list(golden)  # list("Paris"): letters; refused later
+        golden = list(golden) if isinstance(golden, tuple) else golden  # a str or a number: refused by load_questions
         out.append({"id": str(qid), "question": question, "golden_answers": golden, "metadata": meta})
     return out
+
+
+def _field(row: dict, key: str, kind: type, where: str, name: str = ""):
+    """row[key] if it is a `kind` (or missing / null: None); else a DataError naming the row and the
+    field. A string where verl writes a struct (`reward_model`, `extra_info`) was an AttributeError."""
+    value = row.get(key)
+    if value is not None and not isinstance(value, kind):
+        want = {dict: "an object", str: "text", list: "a list"}[kind]
+        raise DataError(f"{where}: {name or key} must be {want}, got {json_type(value)}")
+    return value
 
 
 def _prompt_text(prompt) -> str | None:

@@ -110,6 +110,32 @@ def own_run_dir(run: Path) -> None:
     _held[run.resolve()] = fd
 
 
+UNSTARTED = ("config.yaml", LOCK, "processes.json")  # all a fresh run holds before its first step
+
+
+def discard_unstarted(run: Path) -> None:
+    """Remove a fresh run's directory that a refusal stopped before anything ran (a bad data line,
+    a missing index, a model path with no model): it holds only UNSTARTED, and left behind it would
+    read as a run that died at once (every refused train.py left one). A directory holding anything
+    else (metrics, samples, checkpoints) is kept whole; nothing is removed but those names, so a
+    directory someone shares is never emptied. train.py calls it for a fresh run only, never a
+    resumed one; rank 0 only. Best effort: a directory it cannot remove is left as it is."""
+    if not _main_rank():
+        return
+    try:
+        if not run.is_dir() or {p.name for p in run.iterdir()} - set(UNSTARTED):
+            return
+        key = run.resolve()
+        for name in UNSTARTED:
+            (run / name).unlink(missing_ok=True)
+        run.rmdir()
+    except OSError:
+        return
+    fd = _held.pop(key, None)  # the lock's file is gone: let its descriptor go too
+    if fd is not None:
+        os.close(fd)
+
+
 def _holder(fd: int) -> str:
     """'pid 1234 on host-a' from a held lock file; the holder writes it just after it locks, so an
     empty file is read again for up to a second."""
