@@ -372,7 +372,7 @@ class HardwareConfig:
     gpus: int = 8
     gpu_memory_gb: float = 80.0  # H100 80 GB
     vllm_memory_fraction: float = 0.5  # colocated vLLM's share of each GPU (gpu_memory_utilization)
-    retriever_gpus: int = 0  # GPUs a retriever.url on this box shards its index over (serve's CUDA_VISIBLE_DEVICES); 0: all
+    retriever_gpus: int = 0  # GPUs a retriever.url on this box shards its index over (CUDA_VISIBLE_DEVICES); 0: all
 
 
 @dataclass

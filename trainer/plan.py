@@ -418,7 +418,8 @@ def format_plan(cfg: Config, plan: dict) -> str:
         f"{16 if t.bf16 else 8 * b}-bit activations",
         f"fsdp over {hw.gpus}" if t.fsdp else "no fsdp",
         ("cpu offload" if hw.gpus > 1 and t.fsdp else "cpu offload off (one process: no FSDP, nothing to offload)")
-        if t.cpu_offload else "no offload",
+        if t.cpu_offload
+        else "no offload",
         "grad checkpointing" if t.grad_checkpointing else "no checkpointing",
         t.optimizer,
         f"kl {t.kl_coef:g}",
@@ -442,12 +443,17 @@ def format_plan(cfg: Config, plan: dict) -> str:
         row(*r)
     lines.append("-" * 100)
     verdict = "fits" if plan["train_fits"] else "does not fit"
-    share = f"vLLM asleep (level 2) keeps {VLLM_ASLEEP_GB:g}" if plan["sleep"] else f"1 - {hw.vllm_memory_fraction:g} for vLLM"
+    share = (
+        f"vLLM asleep (level 2) keeps {VLLM_ASLEEP_GB:g}"
+        if plan["sleep"]
+        else f"1 - {hw.vllm_memory_fraction:g} for vLLM"
+    )
     how = f"of {plan['train_budget']:.2f} GB ({share}): {verdict}"
     row("training peak", plan["train_total"], plan["host_per_gpu"], how)
     verdict = "fits" if plan["rollout_fits"] else "does not fit"
-    row("rollout peak", plan["rollout_total"], None,
-        f"vLLM {hw.vllm_memory_fraction:g} x {hw.gpu_memory_gb:g} + the resident rows, of {hw.gpu_memory_gb:g}: {verdict}")  # fmt: skip
+    vllm_share = f"vLLM {hw.vllm_memory_fraction:g} x {hw.gpu_memory_gb:g}"
+    how = f"{vllm_share} + the resident rows, of {hw.gpu_memory_gb:g}: {verdict}"
+    row("rollout peak", plan["rollout_total"], None, how)
     ret = plan["retriever"]
     index = " + the retriever index once" if ret["index_bytes"] else ""
     row("", None, plan["host_per_node"], f"host GB for all {hw.gpus} GPUs{index}")

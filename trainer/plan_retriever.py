@@ -25,8 +25,16 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0")
 # (as plan.QWEN25 knows the models): wiki-18's lines (Search-R1's 21M passages; its e5_Flat.index is
 # 21,015,324 x 768 x 4 B = 64.56 GB) and e5-base-v2's config.json (huggingface.co/intfloat/e5-base-v2).
 KNOWN_CORPORA = {"wiki-18.jsonl": 21_015_324}
-KNOWN_ENCODERS = {"e5-base-v2": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-                                 "vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2}}  # fmt: skip
+KNOWN_ENCODERS = {
+    "e5-base-v2": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "vocab_size": 30522,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+    }
+}
 
 
 def encoder_dir(model: str) -> Path | None:
@@ -109,7 +117,8 @@ def retriever_index(cfg: Config, enc: dict | None) -> tuple[float, str]:
     if missing:
         return 0.0, f"{path} not built yet, and no {' or '.join(missing)} here to estimate it from"
     n, exact = (KNOWN_CORPORA[corpus.name], True) if known else corpus_lines(corpus)
-    note = " (its known line count)" if known else "" if exact else f" (lines estimated from the first {SAMPLE_BYTES // 2**20} MB)"
+    note = f" (lines estimated from the first {SAMPLE_BYTES // 2**20} MB)" if not exact else ""
+    note = " (its known line count)" if known else note
     how = f"Flat not built yet: {n:,} passages x {enc['hidden_size']} x 4 B{note}"
     return float(n * enc["hidden_size"] * 4), how + (", + bm25 arrays" if r.method == "hybrid" else "")
 
