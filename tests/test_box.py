@@ -98,3 +98,91 @@ def test_entropy_peak_memory_is_the_plans_count():
     _, planned = logits_bytes(B * T, V, 4, chunk)
     assert planned == B * T * V * 4 + 2 * chunk * V * 4
     assert planned - chunk * V * 4 - 2e6 <= extra <= planned + 8e6, (extra / 1e6, planned / 1e6)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's settings per platform, the reload through Worker.reload_weights, the file sync.
+
+
+def test_cpu_workarounds_stay_on_cpu_and_the_gpu_settings_are_explicit(monkeypatch):
+    """vllm_setup.vllm_options is a function of the platform: CPU gets chunked prefill off and AOT
+    compile off; a GPU gets neither, and the V2 runner, async scheduling and batch invariance set
+    and named in the line printed at start. (The GPU branch is only computed here: no GPU.)"""
+    from trainer.vllm_setup import vllm_options
+
+    for key in ("VLLM_USE_AOT_COMPILE", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.delenv(key, raising=False)
+    env, kwargs, line = vllm_options(cpu=True)
+    assert env == {"VLLM_USE_AOT_COMPILE": "0"} and kwargs == {"enable_chunked_prefill": False}
+    env, kwargs, line = vllm_options(cpu=False)
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_BATCH_INVARIANT": "1"}
+    assert kwargs == {"async_scheduling": True} and "enable_chunked_prefill" not in kwargs
+    assert "V2 runner on" in line and "async scheduling" in line and "batch invariance on" in line
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # the user's choice wins, and the line says so
+    assert "batch invariance off" in vllm_options(cpu=False)[2]
+
+
+def test_the_sync_reloads_through_the_workers_reload_weights(vllm_engine, micro, monkeypatch):
+    """collective_rpc("reload_weights"): vLLM's Worker.reload_weights (CPUWorker inherits it) runs
+    the model runner's under set_current_vllm_config. A spy on that method (the real one still
+    runs) sees every sync; fcae7e2 called model_runner.reload_weights directly, past it. Then the
+    engine scores with the weights it was given: the model's own, so its logprobs are unchanged."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from trainer.engine import load_policy
+
+    calls, real = [], Worker.reload_weights
+
+    def spy(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return real(self, *args, **kwargs)
+
+    ids = [1, 5, 9, 13, 2]
+    before = vllm_engine.score(ids)
+    monkeypatch.setattr(Worker, "reload_weights", spy)
+    vllm_engine.load_weights(load_policy(micro[2]).state_dict().items())
+    assert calls == ["CPUWorker"]
+    assert vllm_engine.score(ids) == pytest.approx(before, abs=1e-5)
+
+
+@pytest.fixture
+def small_shm(tmp_path):
+    """A 4 MiB tmpfs standing in for Docker's small /dev/shm (ENOSPC from the kernel)."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "shm"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_the_file_sync_writes_one_tensor_at_a_time_and_checks_the_space_first(small_shm, monkeypatch):
+    """vllm_setup.write_weight_files: one file per tensor, read back in order and equal; on a 4 MiB
+    tmpfs a tensor that does not fit stops with one line naming the directory, before writing it
+    (the margin is set to 0 here, the tmpfs being smaller than the real 64 MB margin)."""
+    from trainer import vllm_setup
+
+    monkeypatch.setattr(vllm_setup, "SHM_MARGIN", 0)
+    small = [(f"w{i}", torch.full((64, 64), float(i))) for i in range(3)]  # 16 KB each
+    paths = vllm_setup.write_weight_files(iter(small), small_shm)
+    assert [p.name for p in paths] == ["000000.safetensors", "000001.safetensors", "000002.safetensors"]
+    back = list(vllm_setup.read_weight_files(small_shm))
+    assert [n for n, _ in back] == ["w0", "w1", "w2"] and all(torch.equal(a, b) for (_, a), (_, b) in zip(back, small))
+    for p in paths:
+        p.unlink()
+    seen = []
+
+    def stream():
+        for i in range(3):
+            seen.append(i)
+            yield f"big{i}", torch.zeros(384, 1024)  # 1.5 MiB each: the third does not fit beside two
+
+    with pytest.raises(OSError, match=rf"{small_shm}: \d+ MB free, big\d needs"):
+        vllm_setup.write_weight_files(stream(), small_shm)
+    assert seen == [0, 1, 2] and not (small_shm / "000002.safetensors").exists()
