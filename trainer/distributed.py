@@ -402,10 +402,13 @@ def full_weights(model, rank: int = 0, every_rank: bool = False,
     the rounding is per element, so the engine gets the bits its own cast would give."""
     for name, tensor in model.state_dict().items():  # DTensor views of the local shards: no copy
         if hasattr(tensor, "full_tensor"):
+            # cpu_offload on GPUs: NCCL wants GPU tensors. The copy first, from FSDP's pinned shard
+            # (asynchronous), then the cast on the GPU: cast first, the CPU would make an unpinned
+            # bf16 copy to upload synchronously. Read, not run: a CPU mesh moves nothing.
+            if tensor.device.type != tensor.device_mesh.device_type:
+                tensor = tensor.to(tensor.device_mesh.device_type, non_blocking=True)
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)  # the local shard only: elementwise
-            if tensor.device.type != tensor.device_mesh.device_type:  # cpu_offload on GPUs: NCCL wants GPU tensors
-                tensor = tensor.to(tensor.device_mesh.device_type)
             tensor = tensor.full_tensor()
         if rank == 0 or every_rank:
             yield plain_name(name), tensor.detach()
