@@ -201,6 +201,7 @@ class VLLMEngine:
                 "construct the engine first, then the retriever"
             )
         self.separate_process = separate_process
+        self.tp = cfg.tensor_parallel_size if launcher else 1  # ranks sharing this engine
         kv_cache = cpu_kv_cache_size(cfg.gpu_memory_utilization)  # before the launcher's variables are hidden
         self.kv_cache_bytes = kv_cache.get("kv_cache_memory_bytes")  # None on a GPU: vLLM sizes it there
         saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ} if separate_process else {}
@@ -303,6 +304,32 @@ class VLLMEngine:
         c = o.outputs[0]
         lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
         return Completion(list(c.token_ids), lps, c.finish_reason or "stop")
+
+    def share_tool(self, fn):
+        """fn (a batched tool call) made once per tensor-parallel group: its first rank calls it and
+        broadcasts the result, or the error, over vLLM's TP group (gloo, CPU objects). Each rank
+        calling the retriever itself would let one rank's timeout or retry change its schedule,
+        which external_launcher needs identical across the group (a hang in NCCL on the box).
+        One engine per rank: fn itself."""
+        if self.tp == 1:
+            return fn
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+
+        def call(queries):
+            out = None
+            if group.rank_in_group == 0:
+                try:
+                    out = ("ok", fn(queries))
+                except Exception as e:  # every rank of the group stops alike, with the first rank's error
+                    out = ("error", f"{type(e).__name__}: {e}")
+            out = group.broadcast_object(out, src=0)
+            if out[0] == "error":
+                raise RuntimeError(f"the tool call of this tensor-parallel group's first rank failed: {out[1]}")
+            return out[1]
+
+        return call
 
     def close(self) -> None:
         """Shut the engine down now, while the training process group still exists: with
@@ -455,6 +482,9 @@ class HFEngine:
 
     def sleep(self) -> None:  # nothing reserved ahead: nothing to free
         pass
+
+    def share_tool(self, fn):  # one process per engine: nothing to share
+        return fn
 
     def close(self) -> None:
         pass
