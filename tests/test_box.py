@@ -5,6 +5,8 @@ float64 log_softmax, and its peak memory measured, beside trainer/plan.py's coun
 
 import ctypes
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +188,128 @@ def test_the_file_sync_writes_one_tensor_at_a_time_and_checks_the_space_first(sm
     with pytest.raises(OSError, match=rf"{small_shm}: \d+ MB free, big\d needs"):
         vllm_setup.write_weight_files(stream(), small_shm)
     assert seen == [0, 1, 2] and not (small_shm / "000002.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --plan for the paper configs (docs/box.md's table), each term by hand.
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = sorted((ROOT / "configs").glob("search_r1_*_qwen2.5-*.yaml"))
+QWEN = {  # config.json of Qwen2.5-3B and -7B: hidden, layers, kv heads x 128, MLP, vocab, tied
+    "3b": (2048, 36, 2 * 128, 11008, 151936, True),
+    "7b": (3584, 28, 4 * 128, 18944, 152064, False),
+}
+
+
+def paper_plan_by_hand(algo: str, size: str) -> dict:
+    """The plan of a Search-R1 paper config on 8 x 80 GB, written out term by term: bf16 weights,
+    FSDP over 8 with cpu_offload (weights, gradients, AdamW, the reference and the critic in host
+    RAM), checkpointing, 8192-token micro-batches, entropy_coef > 0, sleep mode, vLLM 0.6, and
+    retriever.url on this box: wiki-18's Flat index (21,015,324 x 768 fp32) over the 8 GPUs."""
+    h, L, kv, i, V, tied = QWEN[size]
+    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+    root = V * h * (1 if tied else 2) + h
+    P = root + L * layer
+    critic = P - (0 if tied else V * h) + h + 1
+    e5 = ((30522 + 512 + 2) * 768 + 2 * 768 + 12 * (4 * (768 * 768 + 768) + 2 * 768 * 3072 + 3072 + 768 + 4 * 768)
+          + 768 * 768 + 768)  # fmt: skip
+    index = 21_015_324 * 768 * 4
+    T = 8192
+    gpu = {
+        "retriever_served": index / 8 + 1536 * 2**20 + 0.5e9 + e5 * 2,
+        "overhead": 2e9,
+        "fsdp_gathered": (2 * root + 3 * layer) * 2,
+        "activations": T * L * 2 * h + T * 2 * (4 * h + 2 * h + 2 * kv + 4 * i),
+        "logits": T * V * 2 * 2 + 2 * 256 * V * 4,
+    }
+    host = {"policy_weights": P * 2 / 8, "policy_grads": P * 2 / 8, "policy_optimizer": P * 12 / 8,
+            "reference_weights": P * 2 / 8, "critic_state": critic * 16 / 8 if algo == "ppo" else 0}  # fmt: skip
+    policy = gpu["fsdp_gathered"] + gpu["activations"] + gpu["logits"]
+    critic_ws = (2 * (V * h + 2 * h + 1) + 3 * layer) * 2 + gpu["activations"] if algo == "ppo" else 0
+    resident = gpu["retriever_served"] + gpu["overhead"]
+    return {"P": P, "gpu": gpu, "host": host, "train_total": resident + max(policy, critic_ws),
+            "train_budget": 80e9 - 2e9, "rollout_total": 0.6 * 80e9 + resident,
+            "host_per_gpu": sum(host.values()), "host_per_node": 8 * sum(host.values()) + index}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PAPER, ids=[p.stem for p in PAPER])
+def test_the_paper_configs_plans_match_a_hand_computation(path, tmp_path):
+    """Each row of --plan for the four GRPO and four PPO configs, against paper_plan_by_hand, in
+    GB (1e9 B). The model, corpus and encoder are named by their directories as in the configs, in
+    an empty directory: the plan's built-in tables, not files this machine may hold."""
+    from trainer.config import load_config
+    from trainer.plan import memory_plan
+
+    algo, size = path.stem.split("_")[2], path.stem.split("-")[1]
+    assert len(PAPER) == 8 and algo in ("grpo", "ppo") and size in QWEN
+    model = f"Qwen2.5-{size[:-1]}B" + ("-Instruct" if "instruct" in path.stem else "")
+    cfg = load_config(path, [f"model.path={tmp_path / model}", f"data.corpus={tmp_path / 'wiki-18.jsonl'}",
+                             f"retriever.model={tmp_path / 'e5-base-v2'}"])  # fmt: skip
+    plan, hand = memory_plan(cfg), paper_plan_by_hand(algo, size)
+    assert plan["model"]["params"] == hand["P"]
+    for key, value in hand["gpu"].items():
+        assert plan["gpu"][key] == pytest.approx(value / 1e9), key
+    for key, value in hand["host"].items():
+        assert plan["host"][key] == pytest.approx(value / 1e9), key
+    for key in ("train_total", "train_budget", "rollout_total", "host_per_gpu", "host_per_node"):
+        assert plan[key] == pytest.approx(hand[key] / 1e9), key
+    assert plan["fits"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe, as a user on the box reads it.
+
+
+def _bash_block(text: str, first_line: str) -> list[str]:
+    """The command lines (comments dropped, continuations joined) of the ```bash block holding
+    `first_line`."""
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if first_line in b)
+    lines = block.replace("\\\n", " ").splitlines()
+    return [c.split("  #")[0].strip() for c in lines if c.strip() and not c.startswith("#")]
+
+
+def test_the_box_recipe_installs_before_it_downloads_and_waits_for_the_server():
+    """docs/box.md's Search-R1 recipe and the README's short form: the install (python3.11, the
+    uninstall as a command) before the first `hf`; the driver and the disk said; after the server
+    starts in the background, a wait on /health before anything uses it."""
+    box = (ROOT / "docs" / "box.md").read_text()
+    steps = _bash_block(box, "hf download")
+    install = next(i for i, c in enumerate(steps) if "pip install -r requirements-gpu.txt" in c)
+    assert steps[install].startswith("python3.11 -m venv")
+    assert install < next(i for i, c in enumerate(steps) if c.startswith("hf "))
+    assert any(c.startswith(".venv/bin/pip uninstall -y torchvision torchaudio torchcodec") for c in steps)
+    assert "R580" in box and "~150 GB of disk" in box
+    readme = (ROOT / "README.md").read_text()
+    for lines in (steps, _bash_block(readme, "index-e5 --port 8000")):
+        serve = next(i for i, c in enumerate(lines) if "retriever.py serve" in c)
+        assert lines[serve].endswith("&") and "/health" in lines[serve + 1] and lines[serve + 1].startswith("until ")
+        assert all("train.py" not in c for c in lines[: serve + 1])
+
+
+def test_the_readmes_wait_for_the_server_waits(tmp_path):
+    """The README's `until curl ... /health` line, run by bash as written (the port and the pause
+    made small): it is still waiting while nothing answers, and returns once a server does."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import free_port
+
+    readme = (ROOT / "README.md").read_text()
+    wait = next(c for c in _bash_block(readme, "index-e5 --port 8000") if c.startswith("until "))
+    port = free_port()
+    wait = wait.replace("8000", str(port)).replace("sleep 10", "sleep 0.2")
+    waiting = subprocess.Popen(["bash", "-c", wait])
+    try:
+        time.sleep(1.5)
+        assert waiting.poll() is None  # nothing answers yet
+        (tmp_path / "health").write_text("ok")
+        server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            assert waiting.wait(timeout=30) == 0
+        finally:
+            server.kill()
+            server.wait()
+    finally:
+        waiting.kill()
