@@ -313,3 +313,13 @@ def test_the_readmes_wait_for_the_server_waits(tmp_path):
             server.wait()
     finally:
         waiting.kill()
+
+
+def test_the_gpu_checks_for_the_next_gpu_are_there():
+    """benchmarks/gpu_checks.py --box: the sync round trip, the update's peak beside the plan,
+    offload against none (run on a GPU; here it imports and says what it runs)."""
+    from conftest import run_script
+
+    out = run_script(["benchmarks/gpu_checks.py", "--help"], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--box" in out.stdout and all(c in out.stdout for c in ("sync", "update", "offload"))
