@@ -53,7 +53,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from trainer.config import ConfigError, RolloutConfig
-from trainer.vllm_setup import read_weight_files, vllm_options, write_weight_files
+from trainer.vllm_setup import cpu_kv_cache_size, kv_block_size, read_weight_files, vllm_options, write_weight_files
 
 
 @dataclass
@@ -132,42 +132,6 @@ def engine_gpu(local_rank: int, visible: str | None, count: int) -> str:
     """
     ids = visible.split(",") if visible else [str(i) for i in range(count)]
     return ids[local_rank].strip()
-
-
-def cpu_kv_cache_size(fraction: float) -> dict:
-    """On vLLM CPU, the KV cache as `fraction` of the host's RAM, in bytes (empty on a GPU).
-
-    vLLM CPU sizes it as fraction x the memory of the NUMA node the process runs on, minus the
-    process' own RSS. Some VMs report a node far smaller than the host (seen: node 0 8.3 GiB of
-    23 GiB 15-20 min after boot, all 23 GiB 95 min after), so 0.1 of it is less than the RSS and
-    vLLM refuses to start ("less than requested memory for kv (-0.01/0.83 GiB)"). Sized from the
-    host instead, the same setting means the same on every machine (the tests start their engines
-    at 0.05-0.1 of it). Several training processes on one host each start an engine: they share
-    the fraction (LOCAL_WORLD_SIZE, set by torchrun / accelerate), so the setting still means the
-    host's total.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return {}
-    import psutil
-
-    engines = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # before vLLM CPU sets it to its TP size
-    return {"kv_cache_memory_bytes": int(fraction / engines * psutil.virtual_memory().total)}
-
-
-def kv_block_size(size: int) -> dict:
-    """vLLM's KV block size: `size`, or 0 for the platform's choice, except on CPU, where vLLM's
-    128 would make prefix caching useless for multi-turn rollouts: only full blocks are reused,
-    so a trajectory shorter than 128 tokens is prefilled again from its first token at every
-    turn. 32 is the smallest size the CPU attention kernel takes (a multiple of 32). Tiny world,
-    32 x 8 rollouts, AMD EPYC: multi-turn rollout time 3.3 s at 128, 2.75 s at 32
-    (pure generation of the same tokens: 2.1 s)."""
-    from vllm.platforms import current_platform
-
-    if size:
-        return {"block_size": size}
-    return {"block_size": 32} if current_platform.is_cpu() else {}
 
 
 def quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
