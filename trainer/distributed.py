@@ -185,6 +185,11 @@ def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
                               reduce_dtype=torch.float64 if cfg.train.exact_grad_sum else torch.float32)  # fmt: skip
     # Pinned host memory makes the copies to the GPU asynchronous; it needs a GPU, and without
     # one pinning fails ("Cannot access accelerator device when none is available").
+    # CPUOffloadPolicy is per micro-batch (an upload of the fp32 shards at each all-gather, the
+    # gradients copied back and summed on the CPU, AdamW on the CPU), not verl's once per phase,
+    # which is not implemented. The paper configs keep it: --plan shows PPO 7B's state beside
+    # vLLM's share during the rollout does not fit without it (docs/box.md, "Memory on the box");
+    # its cost on a GPU is benchmarks/gpu_checks.py --box's offload line, not measurable here.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.train.cpu_offload else OffloadPolicy()
     return {"mp_policy": mp, "offload_policy": offload,
             "reshard_after_forward": reshard_after_forward}  # fmt: skip

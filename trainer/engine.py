@@ -70,7 +70,7 @@ class Request:
     key: int  # the caller's handle (the trajectory's index), handed back with the completion
     prompt: list[int]  # the prompt and the response so far, token ids
     max_tokens: int
-    seed: int  # per request: the sample does not depend on what else shares the batch
+    seed: int  # per request: the sample does not depend on what shares the batch (GPU: given batch invariance)
     stop: list[str]
 
 
