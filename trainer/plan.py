@@ -47,8 +47,11 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
                                     process's query encoder on its GPU in fp16 (search/index.py
                                     load_encoder), E its parameters from its config.json (BERT:
                                     (V + positions + types + 2) * h + L * (4 h^2 + 2 h i + 9 h + i)
-                                    + h^2 + h); weights only. Served (retriever.url): counted on the
-                                    server's machine, not here
+                                    + h^2 + h); weights only
+  retriever served  retriever.url on this box (127.0.0.1, localhost): index / G (G =
+                    hardware.retriever_gpus, 0: all N; faiss-gpu's Flat in fp32) + 1.5 GiB faiss
+                    scratch + 0.5 GB context on each, + E * 2 (the encoder) on GPU 0, the row's
+                    GPU; resident through training and rollouts. Another host's URL: 0 here
   retriever index   per host, not per GPU: its files are mmap'd, file-backed (faiss IO_FLAG_MMAP_IFC,
                     bm25s mmap), so the page cache holds one copy whatever the number of processes:
                     the size of the built index's files, else for a Flat index not yet built
@@ -57,7 +60,11 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
   training peak = overhead + resident state (the rows above the working sets)
                   + max(policy working set, critic working set)   (the critic steps after
                   the policy, so their gathered units and activations are never live together)
-  fits when the peak <= (1 - hardware.vllm_memory_fraction) * hardware.gpu_memory_gb
+  fits when the peak <= (1 - hardware.vllm_memory_fraction) * hardware.gpu_memory_gb, or with
+  rollout.sleep_mode (level 2: vLLM frees weights and KV cache) <= gpu_memory_gb - 2 GB (what vLLM
+  asleep keeps: our allowance); then also the rollout peak, vllm_memory_fraction * gpu_memory_gb
+  + the resident rows (none under cpu_offload but the retriever and the 2 GB), <= gpu_memory_gb.
+  Host RAM of vLLM asleep at level 2: 0 (level 1 kept P * b / R there)
 
   vLLM (colocated: one engine per GPU, or per group of R = rollout.tensor_parallel_size GPUs,
   each rolling out its share of the questions): weights = P * b / R on every GPU;
@@ -72,11 +79,13 @@ Worked example: configs/search_r1_ppo_qwen2.5-7b-base.yaml, Qwen2.5-7B (h 3584, 
 checkpointing, AdamW, T = 8192, vLLM share 0.6:
   P = 2*152064*3584 + 28*233,057,792 + 3584 = 7,615,616,512
   host RAM per GPU: weights, gradients 7.616e9*2/8 = 1.90 GB each, optimizer 7.616e9*12/8 = 11.42,
-             reference 1.90, critic 7.071e9*16/8 = 14.14: 31.3 GB (250 GB for the box)
+             reference 1.90, critic 7.071e9*16/8 = 14.14: 31.3 GB (250 GB for the box, 314.8 with the index)
   gathered   (2*1.090e9 + 3*2.331e8) * 2 = 5.76 GB
   activations 8192*28*2*3584 + 8192*196,608 = 1.64 + 1.61 = 3.25 GB (45.1 GB without checkpointing)
-  logits     8192*152064*4 = 4.98 GB
-  peak       2 + 0 + (5.76 + 3.25 + 4.98) = 16.0 GB of (1 - 0.6)*80 = 32 GB: fits
+  logits     8192*152064*2*2 + 2*256*152064*4 = 4.98 + 0.31 = 5.29 GB
+  retriever  served on this box: 21,015,324*768*4/8 + 1.61 + 0.5 + 1.095e8*2 = 8.07 + 2.11 + 0.22 = 10.40 GB
+  peak       2 + 10.40 + (5.76 + 3.25 + 5.29) = 26.71 GB of 80 - 2 = 78 (sleep mode): fits;
+             rollout 0.6*80 + 10.40 + 2 = 60.40 of 80: fits
   vLLM       weights 15.23 GB, KV cache 48 - 15.23 = 32.77 GB at 57,344 B per token = 571,441
              tokens; PPO's batch needs 512*1*4096/8 = 262,144 per GPU (GRPO's, 5 per question,
              1,310,720: ~2.3 waves if every trajectory ran to 4096 tokens)
