@@ -309,6 +309,9 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     # state: none under cpu_offload), the served retriever and the allowance
     rollout_total = hw.vllm_memory_fraction * hw.gpu_memory_gb + resident
     host["vllm_asleep"] = 0.0  # level 2 drops the weights (the sync rewrites them); level 1 kept P*b/R here
+    if sleep:
+        level1 = n * b / cfg.rollout.tensor_parallel_size / GB
+        rows.append(("vLLM asleep (level 2)", None, 0.0, f"weights, KV freed (level 1 kept {level1:.2f} GB here)"))
 
     vllm = vllm_plan(cfg, a, n, b)
     plan = {
