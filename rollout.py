@@ -207,6 +207,8 @@ def rollout_batch(
     """
     proto = protocols.for_config(cfg)  # rollout.protocol's, or Search-R1's exact text (search_r1_text)
     tools = search_fn if isinstance(search_fn, dict) else {"search": search_fn}
+    if hasattr(engine, "share_tool"):  # a tensor-parallel group's ranks: one call, shared (engine.share_tool)
+        tools = {name: engine.share_tool(fn) for name, fn in tools.items()}
     # where an observation goes: inline in the protocol's tags, or a chat-template tool message
     wrap = tool_message_wrap(tokenizer, proto) if cfg.chat_template and proto.tool_message else proto.obs
     states = []

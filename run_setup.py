@@ -40,7 +40,6 @@ from trainer.distributed import (
     needs_reference,
     process_layout,
     shard,
-    shard_critic,
     shard_reference,
     trainer_threads,
 )
@@ -48,7 +47,7 @@ from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engin
 from trainer.faults import wait_for_main
 from trainer.grpo import memory_savers
 from trainer.lora import add_lora, load_lora
-from trainer.ppo import critic_optimizer, load_critic
+from trainer.ppo import critic_optimizer, load_critic, load_sharded_critic
 from trainer.questions import first_of_each_benchmark, load_questions
 from trainer.tracking import open_trackers
 from trainer.turns import answer_logprob_fn
@@ -303,10 +302,9 @@ def load_models(cfg: Config, run: Path, start_dir: Path, resume_from: Path | Non
         if ref_dir is not None:
             ref = load_policy(ref_dir, cfg.model.dtype).eval().requires_grad_(False).to(device)
     critic = None
-    if cfg.train.algo == "ppo":  # every process reads the critic's checkpoint (its head has no meta build)
-        critic = load_critic(resume_from if resume_from else start_dir)
-        critic = critic.to(device) if world == 1 else critic
+    if cfg.train.algo == "ppo" and world > 1:  # built on meta, sharded, filled from rank 0's read
+        critic = load_sharded_critic(resume_from if resume_from else start_dir, cfg, rank, world)
+    elif cfg.train.algo == "ppo":
+        critic = load_critic(resume_from if resume_from else start_dir).to(device)
         memory_savers(critic.backbone, cfg)
-        if world > 1:
-            critic = shard_critic(critic, cfg)
     return model, ref, critic

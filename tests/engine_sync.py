@@ -50,13 +50,16 @@ def main() -> None:
     with torch.no_grad():
         trainer = token_logprobs(model, ids, torch.ones_like(ids))[0].tolist()
     before = max(abs(a - b) for a, b in zip(engine.score(SEQUENCE), trainer))
+    calls = []  # the retriever as a tensor-parallel group sees it: called on its first rank only
+    shared = engine.share_tool(lambda queries: calls.append(queries) or [f"hits of {q}" for q in queries])
+    tool = {"results": shared(["q1", "q2"]), "calls": len(calls)}
     t = time.perf_counter()
     engine.load_weights(distributed.full_weights(model, rank, every_rank=True))
     sync_s = time.perf_counter() - t
     after = max(abs(a - b) for a, b in zip(engine.score(SEQUENCE), trainer))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"before": before, "after": after, "sync_s": sync_s,
-                                                      "world": world, "tp": tp}))  # fmt: skip
+                                                      "world": world, "tp": tp, "tool": tool}))  # fmt: skip
     engine.close()
     distributed.close(world)
 

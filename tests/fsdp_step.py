@@ -33,7 +33,7 @@ from trainer.config import load_config  # noqa: E402
 from trainer.distributed import make_optimizer  # noqa: E402
 from trainer.engine import load_policy  # noqa: E402
 from trainer.grpo import grpo_step, memory_savers  # noqa: E402
-from trainer.ppo import critic_optimizer, critic_step, critic_values, load_critic  # noqa: E402
+from trainer.ppo import critic_optimizer, critic_step, critic_values, load_critic, load_sharded_critic  # noqa: E402
 from trainer.precision import resolve as resolve_precision  # noqa: E402
 
 
@@ -108,9 +108,11 @@ def run_critic_case(case: dict, spec: dict, records: list[dict], rank: int, worl
     then one clipped value-loss step toward targets 1 above them (any targets: the step must run)."""
     cfg = load_config(None, case["overrides"])
     resolve_precision(cfg)  # this machine's bf16 / dtype for the `auto` keys
-    critic = load_critic(spec["model"])
-    if world > 1:
-        critic = distributed.shard_critic(critic, cfg)
+    if world > 1:  # as train.py: built on meta, sharded, filled from rank 0's read (issue 53)
+        critic = load_sharded_critic(spec["model"], cfg, rank, world)
+        distributed.save_full_state(critic, Path(spec["out"]) / f"{case['name']}.initial.safetensors", rank)
+    else:
+        critic = load_critic(spec["model"])
     optimizer = critic_optimizer(critic, cfg.train.critic_lr)
     values = critic_values(critic, records, cfg.train.micro_batch_tokens, spec["pad_id"])
     targets = [v + 1.0 for v in values]

@@ -306,10 +306,21 @@ def test_sharded_critic_runs_under_bf16_and_offload(runs):
     """The value head stays float32 in a unit of its own (distributed.shard_critic) while the
     backbone computes in bf16, and the critic's inputs go to the compute device, not to its
     offloaded parameters' (ppo.critic_values / critic_step)."""
-    _, fsdp, _ = runs
+    _, fsdp, model_dir = runs
     stats = json.loads((fsdp / "critic_bf16_offload.json").read_text())
     assert stats["sharded"] and stats["value_dtype"] == "torch.float32"
     assert math.isfinite(stats["value_loss"]) and stats["critic_grad_norm"] > 0
+    # loaded sharded (ppo.load_sharded_critic: meta build, rank 0's read; issue 53), it is the
+    # critic load_critic reads whole: the same bits, the zero head included
+    from safetensors.torch import load_file
+
+    from trainer.ppo import load_critic
+
+    sharded = load_file(str(fsdp / "critic_bf16_offload.initial.safetensors"))
+    whole = load_critic(model_dir).state_dict()
+    assert sorted(sharded) == sorted(whole)
+    for name, tensor in whole.items():
+        assert_equal_bits(sharded[name], tensor, what=name)
 
 
 def launch_machines(args: list[str], logs: Path, machines: int = 2) -> list[subprocess.Popen]:

@@ -85,4 +85,6 @@ def test_every_rank_engine_matches_the_trainer_after_an_in_memory_sync(micro, tm
     for rank in (0, 1):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["before"] > 1e-2, r  # the update (lr 1e-2) moved the logprobs by far more than rounding
+        # one retrieval call per tensor-parallel group (engine.share_tool), its result on both ranks
+        assert r["tool"] == {"results": ["hits of q1", "hits of q2"], "calls": 1 - rank}, r["tool"]
         assert_close(r["after"], 0.0, rtol=0, atol=lp, what=f"rank {rank}: logprob gap after the sync")

@@ -218,16 +218,66 @@ def row_entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool) -> tuple:
-    """(log pi of each target, entropy of each position), float32, from [B, T, V] logits. The
-    entropy's gradient (entropy_coef > 0) needs the whole log-softmax in the graph; without it
-    the entropy is a statistic and no float32 copy of the micro-batch's logits is made
-    (selected_logprobs, row_entropy)."""
-    if entropy_grad:
-        logp_all = torch.log_softmax(logits.float(), -1)
-        return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-    lse = log_normalizers(logits)  # one logsumexp pass, shared by both
-    return selected_logprobs(logits, targets, lse), row_entropy(logits, lse)
+ENTROPY_CHUNK_TOKENS = 256  # positions per float32 slice of _LogprobsEntropy: 2 x 256 x 152064 x 4 B = 0.31 GB
+
+
+def chunk_spans(batch: int, length: int, chunk: int) -> Iterator[tuple[int, int, int]]:
+    """(row, start, stop) slices of at most `chunk` positions of a [batch, length, V] tensor, each
+    within one row, so the slice of a [:, :-1] view is contiguous (no copy of the micro-batch)."""
+    for b in range(batch):
+        for t in range(0, length, chunk):
+            yield b, t, min(t + chunk, length)
+
+
+class _LogprobsEntropy(torch.autograd.Function):
+    """(log pi of each target, entropy of each position), float32, with the entropy's gradient,
+    from [B, T, V] logits, `chunk` positions at a time in the forward and in the backward. The
+    graph keeps the logits (in the graph anyway) and three float32 numbers per position (lse,
+    entropy); the backward recomputes each chunk's softmax. Peak beyond the logits: their
+    gradient (the logits' dtype) and two float32 [chunk, V] slices (trainer/plan.py counts it so,
+    tests/test_box.py measures it), where torch's log_softmax, exp, product and their backward
+    held four to five float32 [B, T, V] tensors (5 GB each at 8192 x 152064).
+
+    d(x_t - lse)/dx = onehot(t) - p;  dH/dx = -p (log p + H)   (H = -sum p log p)
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int):
+        B, T, _ = logits.shape
+        lp, ent, lse = (torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(3))
+        for b, t0, t1 in chunk_spans(B, T, chunk):
+            x = logits[b, t0:t1].to(torch.float32, copy=True)  # copy: fp32 logits must not change in place
+            lse[b, t0:t1] = torch.logsumexp(x, -1)
+            x.sub_(lse[b, t0:t1, None])  # log p
+            lp[b, t0:t1] = x.gather(-1, targets[b, t0:t1, None]).squeeze(-1)
+            ent[b, t0:t1] = -(x.exp().mul_(x)).sum(-1)
+        ctx.chunk = chunk
+        ctx.save_for_backward(logits, targets, lse, ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
+        logits, targets, lse, ent = ctx.saved_tensors
+        B, T, _ = logits.shape
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for b, t0, t1 in chunk_spans(B, T, ctx.chunk):
+            sl = (b, slice(t0, t1))
+            x = logits[sl].to(torch.float32, copy=True).sub_(lse[sl][:, None])  # log p
+            p = x.exp()
+            # -p * (g_lp + g_ent * (log p + H)), then + g_lp at the target
+            x.add_(ent[sl][:, None]).mul_(g_ent[sl][:, None]).add_(g_lp[sl][:, None]).mul_(p).neg_()
+            del p
+            grad[sl] = x.scatter_add_(-1, targets[sl][:, None], g_lp[sl][:, None]).to(logits.dtype)
+        return grad, None, None
+
+
+def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool,
+                         chunk: int = ENTROPY_CHUNK_TOKENS) -> tuple:  # fmt: skip
+    """(log pi of each target, entropy of each position), float32, from [B, T, V] logits, through
+    _LogprobsEntropy (`chunk` positions of float32 at a time, so the same peak with or without
+    the entropy's gradient); without entropy_grad (entropy_coef 0) the entropy is a statistic."""
+    logp, entropy = _LogprobsEntropy.apply(logits, targets, chunk)
+    return logp, entropy if entropy_grad else entropy.detach()
 
 
 def autocast(bf16: bool):

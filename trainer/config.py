@@ -385,6 +385,7 @@ class HardwareConfig:
     gpus: int = 8
     gpu_memory_gb: float = 80.0  # H100 80 GB
     vllm_memory_fraction: float = 0.5  # colocated vLLM's share of each GPU (gpu_memory_utilization)
+    retriever_gpus: int = 0  # GPUs a retriever.url on this box shards its index over (CUDA_VISIBLE_DEVICES); 0: all
 
 
 @dataclass
@@ -611,6 +612,7 @@ RANGES = {
     "hardware.gpus": ">= 1",
     "hardware.gpu_memory_gb": "> 0",
     "hardware.vllm_memory_fraction": "(0, 1]",
+    "hardware.retriever_gpus": ">= 0",
 }
 # Numeric keys with no range: any finite value means something.
 UNBOUNDED = ("train.rft_accept",)  # a reward threshold; rewards may be negative

@@ -185,6 +185,11 @@ def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
                               reduce_dtype=torch.float64 if cfg.train.exact_grad_sum else torch.float32)  # fmt: skip
     # Pinned host memory makes the copies to the GPU asynchronous; it needs a GPU, and without
     # one pinning fails ("Cannot access accelerator device when none is available").
+    # CPUOffloadPolicy is per micro-batch (an upload of the fp32 shards at each all-gather, the
+    # gradients copied back and summed on the CPU, AdamW on the CPU), not verl's once per phase,
+    # which is not implemented. The paper configs keep it: --plan shows PPO 7B's state beside
+    # vLLM's share during the rollout does not fit without it (docs/box.md, "Memory on the box");
+    # its cost on a GPU is benchmarks/gpu_checks.py --box's offload line, not measurable here.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.train.cpu_offload else OffloadPolicy()
     return {"mp_policy": mp, "offload_policy": offload,
             "reshard_after_forward": reshard_after_forward}  # fmt: skip
@@ -322,7 +327,8 @@ def clip_grad_norm(module, max_norm: float, exact: bool = False, world: int = 1)
     return norm
 
 
-def load_from_rank0(model, path: Path, rank: int, world: int, cfg: Config, chunk_bytes: int = 256 << 20) -> None:
+def load_from_rank0(model, path: Path, rank: int, world: int, cfg: Config, chunk_bytes: int = 256 << 20,
+                    rename=None) -> set[str]:  # fmt: skip
     """Fill a sharded model built on the meta device (engine.empty_policy, then shard) with the
     checkpoint at `path`: each process allocates only its shards (to_empty), rank 0 reads the
     safetensors files `chunk_bytes` at a time and broadcasts them tensor by tensor, and each
@@ -330,7 +336,8 @@ def load_from_rank0(model, path: Path, rank: int, world: int, cfg: Config, chunk
     meta-device init does the same). Loading 7B on 8 ranks: one read of the checkpoint instead of
     8, and no process holds more than its shards and one chunk (README, "Loading on the box").
     The buffers (rotary frequencies), computed when the model was built, stay where fully_shard
-    put them."""
+    put them. `rename(file key) -> model key, or None to skip it` (the critic's: ppo.load_sharded_critic);
+    returns the model keys loaded."""
     from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -350,6 +357,8 @@ def load_from_rank0(model, path: Path, rank: int, world: int, cfg: Config, chunk
             with safe_open(str(file), "pt") as f:
                 size = 0
                 for key in f.keys():
+                    if rename is not None and rename(key) is None:
+                        continue
                     shape = f.get_slice(key).get_shape()
                     nbytes = math.prod(shape) * 4  # at most 4 bytes a value
                     if chunks[-1] and size + nbytes > chunk_bytes:
@@ -359,11 +368,16 @@ def load_from_rank0(model, path: Path, rank: int, world: int, cfg: Config, chunk
                     size += nbytes
         with safe_open(str(file), "pt") if rank == 0 else contextlib.nullcontext() as f:
             for keys in broadcast(chunks, world):
-                set_model_state_dict(model, {k: f.get_tensor(k) for k in keys} if rank == 0 else {}, options=options)
-                loaded |= set(keys)
+                named = [(rename(k) if rename else k, k) for k in keys]
+                set_model_state_dict(model, {m: f.get_tensor(k) for m, k in named} if rank == 0 else {},
+                                     options=options)  # fmt: skip
+                loaded |= {m for m, _ in named}
+    if rename is not None:  # the caller fills what the files lack (a fresh value head)
+        return loaded
     missing = {plain_name(n) for n, _ in model.named_parameters()} - loaded  # a tied lm_head is named once
     if missing:
         raise FileNotFoundError(f"{path}: no weights for {', '.join(sorted(missing)[:3])} ({len(missing)} in all)")
+    return loaded
 
 
 def shard_reference(ref_model, cfg: Config):
@@ -402,10 +416,13 @@ def full_weights(model, rank: int = 0, every_rank: bool = False,
     the rounding is per element, so the engine gets the bits its own cast would give."""
     for name, tensor in model.state_dict().items():  # DTensor views of the local shards: no copy
         if hasattr(tensor, "full_tensor"):
+            # cpu_offload on GPUs: NCCL wants GPU tensors. The copy first, from FSDP's pinned shard
+            # (asynchronous), then the cast on the GPU: cast first, the CPU would make an unpinned
+            # bf16 copy to upload synchronously. Read, not run: a CPU mesh moves nothing.
+            if tensor.device.type != tensor.device_mesh.device_type:
+                tensor = tensor.to(tensor.device_mesh.device_type, non_blocking=True)
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)  # the local shard only: elementwise
-            if tensor.device.type != tensor.device_mesh.device_type:  # cpu_offload on GPUs: NCCL wants GPU tensors
-                tensor = tensor.to(tensor.device_mesh.device_type)
             tensor = tensor.full_tensor()
         if rank == 0 or every_rank:
             yield plain_name(name), tensor.detach()

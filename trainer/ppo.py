@@ -57,9 +57,17 @@ from trainer.batching import (
     shared_per_position,
 )
 from trainer.config import Config
-from trainer.distributed import all_reduce, clip_grad_norm, compute_device, full_weights
+from trainer.distributed import (
+    all_reduce,
+    clip_grad_norm,
+    compute_device,
+    full_weights,
+    load_from_rank0,
+    plain_name,
+    shard_critic,
+)
 from trainer.engine import model_dir
-from trainer.grpo import ensure_finite, grpo_step, kl_per_position
+from trainer.grpo import ensure_finite, grpo_step, kl_per_position, memory_savers
 from trainer.turns import has_turn_rewards, ppo_turn_rewards
 
 HEAD_FILE = "value_head.safetensors"
@@ -226,6 +234,45 @@ def load_critic(path: str | Path, dtype: str = "float32") -> Critic:
     return critic
 
 
+def critic_key(key: str) -> str | None:
+    """A checkpoint's key as the Critic's: a policy's "model.X" and a saved backbone's "X" are
+    "backbone.X", the value head file's "weight" / "bias" are "head.*"; the lm_head is skipped.
+
+    >>> critic_key("model.norm.weight"), critic_key("norm.weight"), critic_key("bias"), critic_key("lm_head.weight")
+    ('backbone.norm.weight', 'backbone.norm.weight', 'head.bias', None)
+    """
+    if key.startswith("lm_head."):
+        return None
+    if key in ("weight", "bias"):
+        return f"head.{key}"
+    return "backbone." + key.removeprefix("model.")
+
+
+def load_sharded_critic(path: str | Path, cfg: Config, rank: int, world: int) -> Critic:
+    """load_critic for several processes: built on the meta device, sharded (distributed.shard_critic),
+    then filled from rank 0's read of the checkpoint, 256 MB at a time (distributed.load_from_rank0),
+    so no process holds the whole float32 critic (7B: 28.3 GB, 8 x that on the box's host at
+    once). A policy directory's critic gets the fresh zero value head load_critic gives it. The
+    backbone's memory savers (checkpointing) go on before the sharding, as the policy's."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModel
+
+    path = Path(path)
+    path = model_dir(path / "critic" if (path / "critic" / HEAD_FILE).is_file() else path)
+    with init_empty_weights(include_buffers=False):
+        critic = Critic(AutoModel.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32))
+    memory_savers(critic.backbone, cfg)
+    critic = shard_critic(critic, cfg)
+    loaded = load_from_rank0(critic, path, rank, world, cfg, rename=critic_key)
+    missing = {plain_name(n) for n, _ in critic.named_parameters()} - loaded
+    if missing - {"head.weight", "head.bias"}:
+        raise FileNotFoundError(f"{path}: no weights for {', '.join(sorted(missing)[:3])} ({len(missing)} in all)")
+    with torch.no_grad():
+        for name in missing:  # a policy directory: the zero head of load_critic
+            getattr(critic.head, name.split(".")[1]).zero_()
+    return critic
+
+
 def save_critic(critic: Critic, directory: str | Path, rank: int = 0, world: int = 1) -> Path:
     """Write `directory/critic/`: the backbone (save_pretrained, safetensors) and the value
     head as value_head.safetensors. load_critic(directory) restores it. Returns the dir.
@@ -385,4 +432,3 @@ def ppo_update(model, ref, critic, records, optimizer, critic_opt, cfg: Config, 
                                  pad_id, tcfg.grad_clip, tcfg.mask_retrieved, rank, world, tcfg.epochs,
                                  tcfg.mini_batches, tcfg.seed * 1000003 + step, tcfg.exact_grad_sum)  # fmt: skip
     return stats | critic_stats
-
