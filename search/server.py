@@ -5,8 +5,8 @@
     POST /retrieve  {"queries": ["Tavi Morek born"], "topk": 3, "return_scores": true}
                  -> {"result": [[{"document": {"id": "p17", "contents": "\\"Tavi Morek\\"\\n...", "url": "p17"},
                                   "score": 7.3}, ...]]}
-                    return_scores false (its default, as Search-R1's and ASearcher's servers declare it):
-                    {"result": [[document, ...]]}
+                    return_scores false (ASearcher's): {"result": [[document, ...]]}; left out: true
+                    (Search-R1's server declares false, then answers it with a 500: docs/peers.md)
     POST /retrieve  {"query": "Tavi Morek born", "topk": 3}  (or "top_k", or "k": SkyRL's and rLLM's one query)
                  -> {"result": [hits], "results": hits, "query": ..., "num_results": n}
     POST /access    {"urls": ["p17", ...]}  -> {"result": [document or null, ...]}   ASearcher's page access

@@ -124,9 +124,10 @@ def parse_retrieve(data: dict, limits: Limits) -> Retrieve:
         queries = check_list(data, "queries", limits)
         for i, q in enumerate(queries):
             check_query(q, limits, f"queries[{i}]", blank_ok=True)
-    # the return_scores default of the server each form comes from: Search-R1's and ASearcher's
-    # declare false (Search-R1's then fails to unpack its results: a 500), rLLM's true
-    with_scores = data.get("return_scores", single)
+    # Default true, as before and as rLLM's server. Search-R1's and ASearcher's servers declare false,
+    # but no peer client leaves it out (docs/peers.md), and Search-R1's fails on it (a 500: its
+    # batch_search then returns one value where two are unpacked)
+    with_scores = data.get("return_scores", True)
     if not isinstance(with_scores, bool):  # bool("false") is True
         raise BadRequest(422, f"return_scores must be true or false, got {with_scores!r}")
     name = next((k for k in ("topk", "top_k", "k") if data.get(k) is not None), "topk")  # rLLM's server's order

@@ -26,6 +26,7 @@ import requests
 from conftest import free_port, run_script
 from test_server import start_server
 
+import retriever
 from search.index import build_index, load_index, search
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,3 +252,21 @@ def test_train_runs_against_a_minimal_search_r1_server(micro, tmp_path):
     rows = [json.loads(x) for x in next((tmp_path / "runs").iterdir()).joinpath("metrics.jsonl").read_text().split("\n")
             if x]  # fmt: skip
     assert [r["step"] for r in rows if "time" in r] == [1]
+
+
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--write-timeout", "-1", "argument --write-timeout: must be a number of seconds above 0, got '-1'"),
+        ("--write-timeout", "nan", "must be a number of seconds above 0, got 'nan'"),
+        ("--max-topk", "0", "argument --max-topk: must be an integer >= 1, got '0'"),
+        ("--max-queries", "-5", "argument --max-queries: must be an integer >= 1, got '-5'"),
+        ("--max-query-chars", "2.5", "argument --max-query-chars: must be an integer >= 1, got '2.5'"),
+        ("--port", "70000", "argument --port: must be an integer from 1 to 65535, got '70000'"),
+    ],
+)
+def test_serve_refuses_a_bad_limit_flag_in_one_line(flag, value, message, capsys):
+    """Before: `--write-timeout -1` served empty 200s and `--max-topk 0` refused every request."""
+    with pytest.raises(SystemExit) as e:
+        retriever.main(["serve", "--index", "idx", flag, value])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(message)
