@@ -230,6 +230,7 @@ def test_skyrl_rllm_and_asearcher_get_well_formed_answers(peer_server, wiki, loc
 # --- train.py against an independent Search-R1 server -----------------------------------------
 
 
+@pytest.mark.slow
 def test_train_runs_against_a_minimal_search_r1_server(micro, tmp_path):
     """train.py, one GRPO step with the transformers engine, searching through a second server
     process that speaks only Search-R1's wire format: it starts, every rollout search reaches that
@@ -241,6 +242,7 @@ def test_train_runs_against_a_minimal_search_r1_server(micro, tmp_path):
     try:
         assert server.stdout.readline() == b"serving\n"
         sets = [f"retriever.url=http://127.0.0.1:{port}", "rollout.engine=hf", "train.steps=1",
+                "train.questions_per_step=2", "train.group_size=2",
                 f"train.run_dir={tmp_path / 'runs'}"]  # fmt: skip
         out = run_script(["train.py", "--config", str(path), *[a for s in sets for a in ("--set", s)]], timeout=300)
     finally:
