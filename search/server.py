@@ -157,6 +157,8 @@ def timed_reply_type() -> type:
                     if not await self.send_pieces(send, part, last=False):
                         return
                 await self.send_pieces(send, b"", last=True)
+            except ConnectionError:  # the client has gone (rest): nobody to tell
+                pass
             except Exception as e:  # noqa: BLE001 - the status is sent: only a cut reply can say it
                 self.stats["cut"] += 1
                 print(f"warning: /retrieve reply cut: {type(e).__name__}: {e}", flush=True)

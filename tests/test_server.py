@@ -493,3 +493,37 @@ def test_a_query_over_the_servers_length_limit_is_cut_and_answered(default_serve
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "1 of 3 queries" in warnings[0] and "max_query_chars = 2048" in warnings[0]
     assert RetrieverConfig().max_query_chars == 2048 == Limits().max_query_chars
+
+
+def test_a_large_request_is_streamed_in_chunks_and_a_failure_midway_cuts_the_reply(bm25_dir, monkeypatch):
+    """2,000 queries go to the index in chunks of at most 512 (before: one call, or a 413 past the
+    limit) and come back whole and in order; a corpus changed after the first chunk was sent ends
+    the transfer unfinished, which the client sees as an error, never as a whole reply."""
+    from search import server
+    from search.integrity import CorpusChanged
+
+    index = load_index(bm25_dir)
+    queries = [f"born in the city {i}" for i in range(2000)]
+    body = json.dumps({"queries": queries, "topk": 3}).encode()
+    with app_server(index) as (url, port):
+        status, answer = post(url, body)
+        assert status == 200 and len(answer["result"]) == 2000 and health(url)["batches"] == 4
+        assert [[h["document"]["id"] for h in hs] for hs in answer["result"][::97]] == [
+            [h["document"]["id"] for h in hs] for hs in search(index, queries[::97], 3)]  # fmt: skip
+        reads, real_get = [0], server.get_passage
+
+        def get(corpus, row):
+            reads[0] += 1
+            if reads[0] > 2000:  # in the second chunk's passages: the first went out with the 200
+                raise CorpusChanged("corpus changed since the index was built")
+            return real_get(corpus, row)
+
+        monkeypatch.setattr(server, "get_passage", get)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/retrieve", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 200 and reply.getheader("transfer-encoding") == "chunked"
+        with pytest.raises(http.client.IncompleteRead):
+            reply.read()
+        conn.close()
+        assert health(url)["cut"] == 1
