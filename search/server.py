@@ -96,7 +96,8 @@ def next_batch(pending: list[tuple], max_queries: int) -> list[tuple]:
 
 def create_app(index, limits: Limits):
     """The FastAPI app over a loaded `retriever.Index`: the error replies, /retrieve (batched,
-    add_retrieve), /search, /read and /health (add_lookups), sharing one dict of counters."""
+    add_retrieve), /search, /read, /access and /health (add_lookups), sharing one dict of counters
+    (/health's; `cut`: streamed replies ended unfinished by a failure after their first chunk)."""
     from fastapi import FastAPI
 
     app = FastAPI(title="search-agent retriever")
