@@ -162,9 +162,10 @@ def local(wiki):
 
 
 def turn_queries(rows: list[dict], n: int) -> list[str]:
-    """n distinct queries about the corpus's people (their names, in four phrasings)."""
+    """n distinct queries about the corpus's people: their names in four phrasings, then numbered."""
     names = sorted({r["contents"].split("\n")[0].strip('"') for r in rows})
-    return [f"{name} {w}" for w in ("born", "city", "country", "lived") for name in names][:n]
+    phrased = [f"{name} {w}" for w in ("born", "city", "country", "lived") for name in names]
+    return [phrased[i % len(phrased)] + (f" {i}" if i >= len(phrased) else "") for i in range(n)]
 
 
 CASES = {  # a turn's queries and topk
@@ -179,6 +180,7 @@ CASES = {  # a turn's queries and topk
 def test_search_r1_execute_predictions_gets_each_turn_shape_answered(peer_server, wiki, local, case):
     """Search-R1's turn over 4 shapes (before: 422/413, a KeyError that ends its run)."""
     queries, topk = CASES[case](wiki[0])
+    assert len(set(queries)) == len(queries) == {"grpo_2560": 2560}.get(case, len(queries))
     predictions = [f"<think>x</think><search>{q}</search>" for q in queries] + ["<answer>Sarn</answer>", "oops"]
     obs = search_r1_turn(peer_server + "/retrieve", predictions, topk)
     want = [f"\n\n<information>{search_r1_passages(h).strip()}</information>\n\n" for h in local(queries, topk)]
@@ -195,6 +197,19 @@ def test_search_r1_turn_where_nobody_searches_posts_an_empty_list(peer_server):
     assert search_r1_turn(peer_server + "/retrieve", ["<answer>Sarn</answer>", "no tags"], 3) == ["", INVALID]
     reply = requests.post(peer_server + "/retrieve", json={"queries": []})
     assert (reply.status_code, reply.json()) == (200, {"result": []})
+
+
+def test_the_default_limit_of_16384_queries_is_answered_in_one_call(peer_server, wiki):
+    """A user's larger GRPO batch (16,384 queries, the default --max-queries) in one POST: answered
+    in order, searched in 32 chunks of 512 (before: a 413 over 512)."""
+    queries = turn_queries(wiki[0], 16_384)
+    before = requests.get(peer_server + "/health").json()
+    r = requests.post(peer_server + "/retrieve", json={"queries": queries, "topk": 3, "return_scores": True})
+    assert r.status_code == 200 and len(r.json()["result"]) == 16_384
+    after = requests.get(peer_server + "/health").json()
+    assert after["queries"] - before["queries"] == 16_384 and after["batches"] - before["batches"] >= 32
+    over = requests.post(peer_server + "/retrieve", json={"queries": queries + ["x"]})
+    assert over.status_code == 413 and "16385 queries in one request; the limit is 16384" in over.json()["error"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
