@@ -126,7 +126,7 @@ def parse_retrieve(data: dict, limits: Limits) -> Retrieve:
             check_query(q, limits, f"queries[{i}]", blank_ok=True)
     # Default true, as before and as rLLM's server. Search-R1's and ASearcher's servers declare false,
     # but no peer client leaves it out (docs/peers.md), and Search-R1's fails on it (a 500: its
-    # batch_search then returns one value where two are unpacked)
+    # batch_search then returns one list where two values are unpacked; two queries unpack, wrongly)
     with_scores = data.get("return_scores", True)
     if not isinstance(with_scores, bool):  # bool("false") is True
         raise BadRequest(422, f"return_scores must be true or false, got {with_scores!r}")
