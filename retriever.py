@@ -8,7 +8,7 @@
     python retriever.py search --index idx/bm25 "Tavi Morek born" -k 3
     python retriever.py search --index idx/bm25 --web '"born in" site:tinypedia.org -rumor'
     python retriever.py read --index idx/bm25 p17
-    python retriever.py serve --index idx/bm25 --port 8000    # Search-R1's POST /retrieve
+    python retriever.py serve --index idx/bm25 --port 8000    # POST /retrieve: Search-R1, verl, SkyRL, rLLM, ASearcher
 
 Search-R1 §3 retrieves the top-k passages of a wiki-18 dump (E5 embeddings, k = 3) and renders
 them as `Doc i(Title: t) text` inside <information>; Deliberative Searcher §3.1 adds READ of a
@@ -26,13 +26,14 @@ retriever.index (a directory built or imported here), retriever.model and retrie
 (the encoder it was embedded with, checked against its meta.json: e5, bge or minilm, never guessed
 from the path), or retriever.url (a `serve` below); the client sends at most
 retriever.max_queries_per_request queries a request and cuts each to retriever.max_query_chars
-characters (defaults 512 and 2048, serve's --max-queries and --max-query-chars).
+characters (defaults 512 and 2048; serve's --max-queries and --max-query-chars take 16,384 and 2048).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 from search.corpus import format_hits
@@ -47,6 +48,7 @@ from search.index import (
 )
 from search.server import serve
 from search.web import format_web_results, read, web_search
+from search.wire import Limits
 from trainer.config import ConfigError, DataError
 
 
@@ -58,6 +60,35 @@ def add_encoder_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--family", required=required, default="", choices=["", *ENCODER_FAMILIES] if not required
                    else list(ENCODER_FAMILIES), help="the encoder's prefixes and pooling: e5, bge or minilm; required "
                    "with --model (never guessed from its path)")  # fmt: skip
+
+
+def at_least(low: int, high: int | None = None):
+    """An argparse type: an integer from `low` (to `high`); anything else is one error line
+    naming the flag (`serve --max-topk 0` was accepted, and refused every request)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            span = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {span}, got {text!r}")
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0 (`--write-timeout -1` timed out every
+    reply before its first byte: empty 200s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -101,11 +132,12 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--index", required=True, help="index directory")
     r.add_argument("key", help="passage id or url")
     r.add_argument("--max-tokens", type=int, default=512, help="budget in words (default 512)")
-    v = sub.add_parser("serve", help="serve an index over HTTP (Search-R1's POST /retrieve); see search/server.py")
+    v = sub.add_parser("serve", help="serve an index over HTTP: the /retrieve of Search-R1, verl, SkyRL, rLLM and "
+                       "ASearcher, their /access (docs/peers.md); see search/server.py")  # fmt: skip
     v.add_argument("--index", required=True, help="index directory")
     v.add_argument("--corpus", default="", help="corpus jsonl, if it moved since the build")
     v.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument("--port", type=at_least(1, 65535), default=8000, help="port (default 8000)")
     v.add_argument("--search-params", default="", help='faiss parameters, e.g. "efSearch=128"')
     v.add_argument(
         "--bm25-backend",
@@ -113,12 +145,13 @@ def make_parser() -> argparse.ArgumentParser:
         choices=list(BM25_BACKENDS),
         help="BM25 scorer: scipy (default), numpy (bm25s's), numba (fastest, 10-30 s compile at start)",
     )
-    v.add_argument("--max-queries", type=int, default=512,
-                   help="queries a request (default 512 = client's retriever.max_queries_per_request)")  # fmt: skip
-    v.add_argument("--max-query-chars", type=int, default=2048,
-                   help="characters per query (default 2048 = the client's retriever.max_query_chars)")  # fmt: skip
-    v.add_argument("--max-topk", type=int, default=100, help="largest topk (default 100)")
-    v.add_argument("--write-timeout", type=float, default=30.0,
+    v.add_argument("--max-queries", type=at_least(1), default=Limits.max_queries,
+                   help=f"queries a request (default {Limits.max_queries:,}; a larger one is a 413)")  # fmt: skip
+    v.add_argument("--max-query-chars", type=at_least(1), default=Limits.max_query_chars,
+                   help=f"characters per query (default {Limits.max_query_chars}, the client's cut)")  # fmt: skip
+    v.add_argument("--max-topk", type=at_least(1), default=Limits.max_topk,
+                   help=f"largest topk (default {Limits.max_topk:,})")  # fmt: skip
+    v.add_argument("--write-timeout", type=seconds, default=Limits.write_timeout,
                    help="seconds a client may take to read each 64 KiB of its reply before it is dropped (default 30)")
     return parser
 

@@ -114,9 +114,13 @@ def http_retrieve(
     max_backoff: float = 4.0,
     max_queries: int = 512,
     max_query_chars: int = 2048,
+    send_blank: bool = False,
 ) -> list[list[dict]]:
-    """POST /retrieve (Search-R1 format) -> hits per query, in order. Empty queries are answered
-    locally with no hits (the server refuses them).
+    """POST /retrieve (Search-R1 format) -> hits per query, in order. Blank queries are answered
+    locally with no hits, as the in-process index answers them; with `send_blank`
+    (rollout.search_r1_text) they go to the server as Search-R1's batch_search sends them (its
+    postprocess_predictions turns `<search> </search>` into "", never dropped), and get what the
+    server gives: Search-R1's E5 server its top-k, ours the same (search/server.py, search_chunk).
 
     The batch goes in requests of at most `max_queries` queries, each query cut to
     `max_query_chars` characters (retriever.max_queries_per_request and retriever.max_query_chars;
@@ -131,7 +135,7 @@ def http_retrieve(
     11.5 s. (A count of 3 retries alone gave up after 3.5 s, whatever the timeout.) A 4xx is never
     retried (the request itself is wrong), nor a 200 that is not Search-R1's format (the same
     server would answer the same). Every failure raises RetrieverError, its message one line."""
-    live = [i for i, q in enumerate(queries) if q.strip()]
+    live = [i for i, q in enumerate(queries) if send_blank or q.strip()]
     out: list[list[dict]] = [[] for _ in queries]
     if not live:
         return out

@@ -1,24 +1,39 @@
-"""HTTP retrieval server speaking Search-R1's wire format.
+"""HTTP retrieval server speaking the retrieval dialects of the field's search-agent trainers.
 
     python retriever.py serve --index idx/bm25 --port 8000        # binds 127.0.0.1 by default
 
     POST /retrieve  {"queries": ["Tavi Morek born"], "topk": 3, "return_scores": true}
-                 -> {"result": [[{"document": {"id": "p17", "contents": "\\"Tavi Morek\\"\\n..."},
+                 -> {"result": [[{"document": {"id": "p17", "contents": "\\"Tavi Morek\\"\\n...", "url": "p17"},
                                   "score": 7.3}, ...]]}
-                    (return_scores false: {"result": [[document, ...]]}, as Search-R1's server)
+                    return_scores false (ASearcher's): {"result": [[document, ...]]}; left out: true
+                    (Search-R1's server declares false, then answers it with a 500: docs/peers.md)
+    POST /retrieve  {"query": "Tavi Morek born", "topk": 3}  (or "top_k", or "k": SkyRL's and rLLM's one query)
+                 -> {"result": [hits], "results": hits, "query": ..., "num_results": n}
+    POST /access    {"urls": ["p17", ...]}  -> {"result": [document or null, ...]}   ASearcher's page access
     POST /search    {"query": "Tavi Morek site:tinypedia.org", "topk": 5}   web_search (operators)
     POST /read      {"id": "p17", "max_tokens": 512}                          read one source
     GET  /health    {"status": "ok", "n_docs": ..., "requests": ..., "batches": ..., "dropped": ..., "answered": ...}
                     (503 {"status": "corpus changed", "reason": "corpus ... changed since ..."})
 
-Existing Search-R1 clients work unchanged against /retrieve. Unlike the reference server
-(docs/design.md §7), requests are limited: body size, queries per request, characters per query
-and topk are checked, and each violation gets a 4xx naming the limit; the server stays up.
+Which peer's client each form follows (Search-R1 a14dc3a, verl b178a3c, SkyRL a956457, rLLM
+7982c508, ASearcher 813e804), file by file, and what differs from their own servers:
+docs/peers.md; tests/test_peer_clients.py replays each client against this server with its
+default flags. A document on the wire is the corpus line with `url` added where the line has
+none (then it holds the passage's id, which /access and /read take back). An empty `queries` list
+is {"result": []}; a blank query is searched like any other (BM25: no words, no hits; dense: the
+passages nearest the encoded blank, as Search-R1's dense server gives).
+
+Requests are limited (flags of `retriever.py serve`): queries per request (16,384), characters
+per query (2,048), topk (1,000) and the body size they imply; each violation gets a 4xx naming the
+limit and the server stays up. A large request is searched and answered in chunks of at most
+CHUNK_QUERIES queries and CHUNK_HITS passages, its reply streamed chunk by chunk (chunked
+transfer encoding), so memory is bounded by a chunk, not by the request; a failure after the first
+chunk (a corpus changed mid-reply) ends the reply unfinished, never with passages of another text.
 Malformed input (bad UTF-8 or JSON, lone surrogates, JSON nested too deep, a non-bool
 return_scores) is a 4xx too, a body not received within `body_timeout` s a 408 and a
 closed connection, and so are request headers not received within `header_timeout` s
 (header_timeout_protocol: uvicorn itself never times them out). Concurrent /retrieve
-requests are batched: one worker task drains the queue and sends every waiting query to the
+requests are batched: one worker task drains the queue and sends every waiting chunk to the
 index in one call, so the dense encoder sees one batch, not many; requests whose client has
 gone are dropped before their search and before their passages are read, and each request's
 passages are read for its own topk only. The event loop only parses and routes: searching,
@@ -34,93 +49,28 @@ The client rollouts use is search/client.py.
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from search.corpus import get_passage
-from search.index import load_index, search_rows
+from search.index import dense_search, load_index, rrf, search_rows
 from search.integrity import CorpusChanged
-from search.web import read, web_search
+from search.web import find_row, read, web_search
+from search.wire import (
+    CHUNK_QUERIES,
+    BadRequest,
+    Limits,
+    Retrieve,
+    check_query,
+    check_topk,
+    chunk_size,
+    parse_access,
+    parse_json_body,
+    parse_retrieve,
+)
 
 DRAIN_BYTES = 64 * 2**20
 WRITE_PIECE = 1 << 16  # bytes of a /retrieve reply sent at a time (TimedReply)
 SMALL = 16  # queries: a request this small joins the next search whatever is queued before it (next_batch)
 SMALL_REPLY = 1_000  # passages: a reply this small is built in its own threads, never behind big ones
-
-@dataclass
-class Limits:
-    max_queries: int = 512
-    max_query_chars: int = 2048
-    max_topk: int = 100
-    body_timeout: float = 10.0  # seconds to receive a request body; a slow client gets a 408
-    # seconds for a request's headers to arrive, from the connection's opening or its last reply
-    header_timeout: float = 10.0
-    max_scan: int = 10_000  # /search: candidates checked against the operators (web.MAX_SCAN)
-    # seconds a client may take to read each WRITE_PIECE of its reply; one that stops reading loses
-    # its connection and the reply's memory (30 unread 512 x top-100 replies held 450 MB)
-    write_timeout: float = 30.0
-
-    @property
-    def max_body_bytes(self) -> int:  # generous for JSON escaping; a hard cap before parsing
-        return 16_384 + self.max_queries * (6 * self.max_query_chars + 16)
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def parse_json_body(body: bytes) -> dict:
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRequest(400, f"request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRequest(400, f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except RecursionError:  # the parser recurses per level: [[[[... 5,000 deep
-        raise BadRequest(400, "request body is JSON nested too deeply") from None
-    if not isinstance(data, dict):
-        raise BadRequest(422, "request body must be a JSON object")
-    return data
-
-
-def check_topk(topk, limits: Limits) -> int:
-    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= limits.max_topk:
-        raise BadRequest(422, f"topk must be an integer from 1 to {limits.max_topk}, got {topk!r}")
-    return topk
-
-
-def check_query(q, limits: Limits, where: str = "query") -> str:
-    if not isinstance(q, str):
-        raise BadRequest(422, f"{where} must be a string, got {type(q).__name__}")
-    if not q.strip():
-        raise BadRequest(422, f"{where} is empty")
-    if not q.isascii():
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON "\ud800": parses, but cannot be searched or echoed
-            bad = f"\\u{ord(q[e.start]):04x}"
-            raise BadRequest(422, f"{where} holds a lone surrogate ({bad} at character {e.start})") from None
-    if len(q) > limits.max_query_chars:
-        raise BadRequest(413, f"{where} has {len(q)} characters; the limit is {limits.max_query_chars}")
-    return q
-
-
-def parse_retrieve(data: dict, limits: Limits) -> tuple[list[str], int, bool]:
-    """Validate a Search-R1 /retrieve request -> (queries, topk, return_scores)."""
-    queries = data.get("queries")
-    if not isinstance(queries, list) or not queries:
-        raise BadRequest(422, "'queries' must be a non-empty list of strings")
-    if len(queries) > limits.max_queries:
-        raise BadRequest(413, f"{len(queries)} queries in one request; the limit is {limits.max_queries}")
-    for i, q in enumerate(queries):
-        check_query(q, limits, f"queries[{i}]")
-    with_scores = data.get("return_scores", True)
-    if not isinstance(with_scores, bool):  # bool("false") is True
-        raise BadRequest(422, f"return_scores must be true or false, got {with_scores!r}")
-    return queries, check_topk(data.get("topk", 3), limits), with_scores
 
 
 def next_batch(pending: list[tuple], max_queries: int) -> list[tuple]:
@@ -146,11 +96,12 @@ def next_batch(pending: list[tuple], max_queries: int) -> list[tuple]:
 
 def create_app(index, limits: Limits):
     """The FastAPI app over a loaded `retriever.Index`: the error replies, /retrieve (batched,
-    add_retrieve), /search, /read and /health (add_lookups), sharing one dict of counters."""
+    add_retrieve), /search, /read, /access and /health (add_lookups), sharing one dict of counters
+    (/health's; `cut`: streamed replies ended unfinished by a failure after their first chunk)."""
     from fastapi import FastAPI
 
     app = FastAPI(title="search-agent retriever")
-    stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0, "answered": 0, "write_timeouts": 0}
+    stats = {"requests": 0, "batches": 0, "queries": 0, "dropped": 0, "answered": 0, "write_timeouts": 0, "cut": 0}
     add_error_replies(app)
     add_retrieve(app, index, limits, stats)
     add_lookups(app, index, limits, stats)
@@ -184,39 +135,116 @@ def timed_reply_type() -> type:
         """The reply in WRITE_PIECE pieces, each sent within `timeout` s (the client reading the one
         before); past it the rest is dropped and uvicorn closes the connection, counted in
         /health's write_timeouts. uvicorn waits for a client to read before it takes the next piece
-        (its flow control), so a slow reader holds one piece in its buffers, not the reply."""
+        (its flow control), so a slow reader holds one piece in its buffers, not the reply.
+        `body` is the whole reply (sent with its length) or an async iterator of its parts (sent
+        chunked as they come: a part that fails ends the reply unfinished, which a client sees as
+        a cut transfer, never as a whole reply)."""
 
-        def __init__(self, body: bytes, timeout: float, stats: dict):
-            super().__init__(body, media_type="application/json")
-            self.timeout, self.stats = timeout, stats
+        def __init__(self, body, timeout: float, stats: dict):
+            whole = isinstance(body, bytes)
+            super().__init__(body if whole else b"", media_type="application/json")
+            if not whole:  # no length: uvicorn sends the parts with chunked transfer encoding
+                self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+            self.parts, self.timeout, self.stats = body, timeout, stats
 
         async def __call__(self, scope, receive, send) -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            body, self.body = self.body, b""
-            for start in range(0, len(body), WRITE_PIECE):
+            parts, self.body = self.parts, b""
+            if isinstance(parts, bytes):
+                await self.send_pieces(send, parts, last=True)
+                return
+            try:
+                async for part in parts:
+                    if not await self.send_pieces(send, part, last=False):
+                        return
+                await self.send_pieces(send, b"", last=True)
+            except ConnectionError:  # the client has gone (rest): nobody to tell
+                pass
+            except Exception as e:  # noqa: BLE001 - the status is sent: only a cut reply can say it
+                self.stats["cut"] += 1
+                print(f"warning: /retrieve reply cut: {type(e).__name__}: {e}", flush=True)
+            finally:
+                await parts.aclose()
+
+        async def send_pieces(self, send, body: bytes, last: bool) -> bool:
+            """Send `body` in WRITE_PIECE pieces (more to come unless `last`); False once timed out."""
+            for start in range(0, max(len(body), 1), WRITE_PIECE):
                 piece = {"type": "http.response.body", "body": body[start : start + WRITE_PIECE],
-                         "more_body": start + WRITE_PIECE < len(body)}  # fmt: skip
+                         "more_body": not last or start + WRITE_PIECE < len(body)}  # fmt: skip
                 try:
                     await asyncio.wait_for(send(piece), self.timeout)
                 except TimeoutError:
                     self.stats["write_timeouts"] += 1
-                    return
+                    return False
+            return True
 
     return TimedReply
 
 
-def reply_body(index, rows: list[list[tuple[int, float]]], topk: int, with_scores: bool) -> bytes:
-    """One request's /retrieve reply, JSON bytes: its passages read for its own topk, each
-    hit list dumped on its own. Run in a thread: returning the dict made FastAPI encode it
-    on the event loop (jsonable_encoder, 1.9 s for 512 queries x 100 passages, then 0.4 s of
-    json.dumps), and /health waited behind it; and one json.dumps of the whole reply would
-    hold the GIL as long, where one per hit list lets the loop in between."""
+def as_sent(doc: dict) -> dict:
+    """A corpus line as /retrieve sends it: with `url` set to its id where the line has none
+    (ASearcher's client reads each document's url; /access and /read take the id back)."""
+    if not doc.get("url"):
+        doc["url"] = str(doc["id"])
+    return doc
+
+
+def hit_lists(index, rows: list[list[tuple[int, float]]], topk: int, with_scores: bool) -> list[str]:
+    """Each query's hit list as JSON: its passages read for its own topk, each list dumped on its
+    own. Run in a thread: returning the dict made FastAPI encode it on the event loop
+    (jsonable_encoder, 1.9 s for 512 queries x 100 passages, then 0.4 s of json.dumps), and
+    /health waited behind it; and one json.dumps of the whole reply would hold the GIL as long,
+    where one per hit list lets the loop in between."""
     lists = []
     for hits in rows:
-        docs = [get_passage(index.corpus, row) for row, _ in hits[:topk]]
+        docs = [as_sent(get_passage(index.corpus, row)) for row, _ in hits[:topk]]
         items = [{"document": d, "score": score} for d, (_, score) in zip(docs, hits)] if with_scores else docs
         lists.append(json.dumps(items, ensure_ascii=False, allow_nan=False, separators=(",", ":")))
-    return ('{"result":[' + ",".join(lists) + "]}").encode()
+    return lists
+
+
+def reply_part(index, rows: list[list[tuple[int, float]]], req: Retrieve) -> bytes:
+    """A chunk's hit lists, comma-separated: a piece of a {"queries"} reply's "result" list, or a
+    {"query"} request's whole reply (single_reply)."""
+    lists = hit_lists(index, rows, req.topk, req.with_scores)
+    if not req.single:
+        return ",".join(lists).encode()
+    return single_reply(req.queries[0], lists[0], len(rows[0][: req.topk])).encode()
+
+
+def single_reply(query: str, hits: str, n: int) -> str:
+    """A {"query": ...} request's reply: SkyRL's client reads "result" (a list of one hit list, as
+    SkyRL's server sends), rLLM's "results" (the hit list, as rLLM's server sends, with "query" and
+    "num_results"); both keys, so one request form serves both.
+
+    >>> single_reply("born", "[]", 0)
+    '{"result":[[]],"results":[],"query":"born","num_results":0}'
+    """
+    return f'{{"result":[{hits}],"results":{hits},"query":{json.dumps(query, ensure_ascii=False)},"num_results":{n}}}'
+
+
+def access_pages(index, urls: list[str]) -> dict:
+    """ASearcher's /access: {"result": [the passage whose url (or id: a /retrieve document's url
+    where the corpus has none) is each of `urls`, as /retrieve sends it, or None]}. A page is one
+    passage here: ASearcher's own server reads whole web pages from a separate pages file."""
+    if index.guard is not None:  # as search_rows: never a passage of a corpus edited since the build
+        index.guard.check()
+    rows = [find_row(index, url.strip()) if url.strip() else None for url in urls]
+    return {"result": [None if row is None else as_sent(get_passage(index.corpus, row)) for row in rows]}
+
+
+def search_chunk(index, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
+    """search_rows, with a blank query searched as Search-R1's servers search it: its dense server
+    embeds "" like any other query (top-k: the passages nearest the encoded blank); BM25 has no
+    word to match (pyserini's Lucene and ours: no hits). Hybrid: those dense hits, RRF-scored."""
+    rows = search_rows(index, queries, k)
+    method = index.meta["method"]
+    blank = [i for i, q in enumerate(queries) if not q.strip()]
+    if blank and method != "bm25":
+        dense = dense_search(index, [queries[i] for i in blank], k if method == "dense" else 4 * k)
+        for i, hits in zip(blank, dense):
+            rows[i] = hits if method == "dense" else rrf([[], hits], k)
+    return rows
 
 
 async def gone(entry: tuple, stats: dict) -> bool:
@@ -244,10 +272,10 @@ async def drain(index, limits: Limits, queue: asyncio.Queue, stats: dict) -> Non
         pending = [entry for entry in pending if not await gone(entry, stats)]
         if not pending:
             continue
-        batch = next_batch(pending, limits.max_queries)
+        batch = next_batch(pending, CHUNK_QUERIES)
         queries = [q for b in batch for q in b[0]]
         try:
-            rows = await asyncio.to_thread(search_rows, index, queries, max(b[1] for b in batch))
+            rows = await asyncio.to_thread(search_chunk, index, queries, max(b[1] for b in batch))
             stats["batches"] += 1
             stats["queries"] += len(queries)
             at = 0
@@ -291,13 +319,16 @@ async def read_body(request, limits: Limits) -> dict:
 
 
 def add_retrieve(app, index, limits: Limits, stats: dict) -> None:
-    """POST /retrieve: each request's queries join the queue one worker task (drain) searches in
-    batches; its passages are then read and its reply written in a thread (reply_body)."""
+    """POST /retrieve: a request's queries, chunk by chunk (wire.chunk_size), join the queue one
+    worker task (drain) searches in batches; each chunk's passages are then read and its part of
+    the reply written in a thread (reply_part). A reply of one chunk is sent whole, a longer one
+    streamed: the next chunk is searched while this one is written, so a request holds at most two
+    chunks, whatever its size."""
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
     TimedReply = timed_reply_type()
-    queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request, return_scores)
+    queue: asyncio.Queue = asyncio.Queue()  # (queries, topk, future, request)
     worker: list[asyncio.Task] = []
     # Replies are built in threads (GIL-bound JSON): big ones two at a time, so the event loop and the
     # small ones, in threads of their own, are never queued behind them. A request waits for its
@@ -305,31 +336,75 @@ def add_retrieve(app, index, limits: Limits, stats: dict) -> None:
     pools = {size: (asyncio.Semaphore(2), ThreadPoolExecutor(2, thread_name_prefix=f"{size}-replies"))
              for size in ("big", "small")}  # fmt: skip
 
-    @app.post("/retrieve")
-    async def retrieve(request: Request):
-        queries, topk, with_scores = parse_retrieve(await read_body(request, limits), limits)
-        stats["requests"] += 1
+    async def searched(queries: list[str], topk: int, request) -> list | None:
+        """The chunk's (row, score) lists; None if its client has gone."""
         if not worker:
             worker.append(asyncio.create_task(drain(index, limits, queue, stats)))
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        await queue.put((queries, topk, fut, request, with_scores))
-        rows = await fut
-        slots, pool = pools["small" if len(queries) * topk <= SMALL_REPLY else "big"]
+        fut = asyncio.get_running_loop().create_future()
+        await queue.put((queries, topk, fut, request))
+        return await fut
+
+    async def part(search: asyncio.Task, req: Retrieve, request) -> bytes | None:
+        """The chunk's part of the reply (reply_part) once `search` is done; None if its client has gone."""
+        rows = await search
+        slots, pool = pools["small" if len(rows or ()) * req.topk <= SMALL_REPLY else "big"]
         async with slots:
             if rows is None or await request.is_disconnected():  # gone before its passages are read
                 stats["dropped"] += rows is not None
-                return JSONResponse({"error": "client disconnected"}, status_code=499)
+                return None
             try:
-                body = await loop.run_in_executor(pool, reply_body, index, rows, topk, with_scores)
+                return await asyncio.get_running_loop().run_in_executor(pool, reply_part, index, rows, req)
             except Exception as e:  # noqa: BLE001 - the exception handlers answer it
                 raise await said(index, e) from None
-        stats["answered"] += 1
-        return TimedReply(body, limits.write_timeout, stats)
+
+    async def rest(first: bytes, chunks: list[list[str]], search: asyncio.Task, req: Retrieve, request):
+        """A streamed reply's parts: the first chunk's, then each next one's, searched one ahead."""
+        try:
+            yield b'{"result":[' + first
+            for i in range(1, len(chunks)):
+                this, search = search, None
+                if i + 1 < len(chunks):
+                    search = asyncio.create_task(searched(chunks[i + 1], req.topk, request))
+                got = await part(this, req, request)
+                if got is None:
+                    raise ConnectionError("client disconnected")
+                yield b"," + got
+            yield b"]}"
+            stats["answered"] += 1
+        finally:
+            if search is not None:
+                search.cancel()
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request):
+        req = parse_retrieve(await read_body(request, limits), limits)
+        stats["requests"] += 1
+        if not req.queries:  # a turn where no rollout searched: Search-R1's server answers this
+            stats["answered"] += 1
+            return TimedReply(b'{"result":[]}', limits.write_timeout, stats)
+        n = chunk_size(req.topk)
+        chunks = [req.queries[at : at + n] for at in range(0, len(req.queries), n)]
+        search = asyncio.create_task(searched(chunks[0], req.topk, request))
+        ahead = asyncio.create_task(searched(chunks[1], req.topk, request)) if len(chunks) > 1 else None
+        try:
+            first = await part(search, req, request)
+        except BaseException:
+            if ahead is not None:
+                ahead.cancel()
+            raise
+        if first is None:
+            if ahead is not None:
+                ahead.cancel()
+            return JSONResponse({"error": "client disconnected"}, status_code=499)
+        if ahead is None:
+            stats["answered"] += 1
+            return TimedReply(first if req.single else b'{"result":[' + first + b"]}", limits.write_timeout, stats)
+        return TimedReply(rest(first, chunks, ahead, req, request), limits.write_timeout, stats)
 
 
 def add_lookups(app, index, limits: Limits, stats: dict) -> None:
-    """POST /search (web_search, operators), POST /read (one source) and GET /health."""
+    """POST /search (web_search, operators), POST /read (one source), POST /access (ASearcher's
+    pages: access_pages) and GET /health."""
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
@@ -349,6 +424,11 @@ def add_lookups(app, index, limits: Limits, stats: dict) -> None:
         if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= 100_000:
             raise BadRequest(422, f"max_tokens must be an integer from 1 to 100000, got {budget!r}")
         return await asyncio.to_thread(read, index, key, budget)
+
+    @app.post("/access")
+    async def access(request: Request):
+        urls = parse_access(await read_body(request, limits), limits)
+        return await asyncio.to_thread(access_pages, index, urls)
 
     @app.get("/health")
     async def health():

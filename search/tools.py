@@ -48,7 +48,8 @@ def check_retriever(rcfg) -> None:
                           "or set retriever.index to search in process") from None  # fmt: skip
 
 
-def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int], list[list[dict]]]:
+def open_search(rcfg, corpus_path: str | Path = "", send_blank: bool = False) -> Callable[[list[str], int],
+                                                                                       list[list[dict]]]:  # fmt: skip
     """`(queries, k) -> hits per query`, from config: `retriever.url` (an HTTP server speaking
     Search-R1's /retrieve), else `retriever.index` (a built index dir), else the default index
     next to the corpus, built on first use. In process, queries with advanced operators
@@ -56,12 +57,13 @@ def open_search(rcfg, corpus_path: str | Path = "") -> Callable[[list[str], int]
     retries a server that is down or answers 5xx until `retriever.timeout` (`retriever.retries`
     0: never), then raises search.client.RetrieverError; a batch goes in requests of at most
     `retriever.max_queries_per_request` queries, each cut to `retriever.max_query_chars`. Hits scoring
-    below `retriever.min_score` are dropped (a hit without a score counts as 0)."""
+    below `retriever.min_score` are dropped (a hit without a score counts as 0). `send_blank`
+    (rollout.search_r1_text): a blank query goes to the server, as Search-R1 sends it."""
     if rcfg.url:
         retries = 0 if rcfg.retries == 0 else None  # None: until the timeout (config.py says why)
         limits = {"max_queries": rcfg.max_queries_per_request, "max_query_chars": rcfg.max_query_chars}
         search = lambda queries, k: http_retrieve(rcfg.url, queries, k, timeout=rcfg.timeout,  # noqa: E731
-                                                  retries=retries, **limits)  # fmt: skip
+                                                  retries=retries, send_blank=send_blank, **limits)  # fmt: skip
     else:
         index = open_index(rcfg, corpus_path)  # site:, -term, ... honoured (WebFilter's operators)
         search = lambda queries, k: operator_search(index, queries, k)  # noqa: E731
@@ -90,7 +92,7 @@ def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
     bm25s: call after vLLM has started."""
     if cfg.rollout.protocol in ("deliberative", "webfilter"):
         return make_web_tools(cfg, corpus_path, timings)
-    search = open_search(cfg.retriever, corpus_path)
+    search = open_search(cfg.retriever, corpus_path, send_blank=cfg.rollout.search_r1_text)
     render = format_hits_search_r1 if cfg.rollout.search_r1_text else format_hits
 
     def search_fn(queries: list[str]) -> list[str]:

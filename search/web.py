@@ -282,7 +282,7 @@ def read(index: Index, key: str, max_tokens: int = 512, tokenizer=None) -> dict:
             return {"id": shown, "error": f"no document with id or url {shown!r}: not valid Unicode"}
     if index.guard is not None:  # as search_rows: never a passage of a corpus edited since the build
         index.guard.check()
-    row = _find_row(index, str(key).strip())
+    row = find_row(index, str(key).strip())
     if row is None:
         return {"id": key, "error": f"no document with id or url {key!r}"}
     doc = get_passage(index.corpus, row)
@@ -302,7 +302,8 @@ def read(index: Index, key: str, max_tokens: int = 512, tokenizer=None) -> dict:
     }  # fmt: skip
 
 
-def _find_row(index: Index, key: str) -> int | None:
+def find_row(index: Index, key: str) -> int | None:
+    """The row of the passage whose id or url is `key` (read; the server's /access), or None."""
     # wiki-18 ids are row numbers: try that before building the id/url table
     # (ASCII digits only: "²".isdigit() is true and int("²") fails)
     if key.isascii() and key.isdigit() and int(key) < len(index.corpus):

@@ -94,7 +94,7 @@ def test_faults_leave_retrieve_answering_within_a_second(index):
             time.sleep(0.1)  # requests still waiting for a reply slot see their client gone
             after = health(url)
         # every aborted request not answered before its client left is dropped, but for those in
-        # hand as they left: a batch being searched (max_queries // 128 = 4) or 2 replies being built
+        # hand as they left: a batch being searched (CHUNK_QUERIES // 128 = 4) or 2 replies being built
         assert after["status"] == "ok" and after["dropped"] >= N_ABORTED - answered_before - 4, (after, answered_before)
 
 
