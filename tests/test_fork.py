@@ -1,15 +1,20 @@
 """A fork registers a protocol in one place (issue 56): `agent/protocols.PROTOCOLS`. rollout.protocol's
 choices, the rewards' query split, the tiny teacher's tokens and answers, and the world's cache key all
-follow that table, and no other file lists the protocols' names."""
+follow that table, and no other file lists the protocols' names. The metrics tell a parallel search
+call (one turn, two queries) from two sequential searches, in training and in eval."""
 
 import ast
 import dataclasses
 
 import pytest
 from conftest import ROOT
+from protocol_script import run  # bpe: conftest.py's fixture
 
 from agent import protocols
 from agent.answers import parse_response, parsed
+from eval import summarize
+from report.metrics import batch_metrics, behaviour_metrics, search_counts
+from rewards import score
 from tiny.sft import train_tokenizer
 from tiny.teachers import render
 from tiny.world import FIRST_OPTIONS, data_key, world_key
@@ -48,8 +53,13 @@ def test_no_file_but_the_table_lists_the_protocols():
 def parallel(monkeypatch):
     """A throwaway ParallelSearch-style protocol, registered by one entry and nothing else."""
     base = protocols.PROTOCOLS["search_r1"]
+    def parse(text, cfg):  # Search-R1's turn, its search block split into independent queries
+        act = protocols.parse_search_r1(text, cfg)
+        queries = [q.strip() for c in act.get("calls", []) for q in c["query"].split(" ## ")]
+        return act | {"calls": [{"name": "search", "query": q} for q in queries]} if act.get("calls") else act
+
     proto = dataclasses.replace(
-        base, name="parallel", query_sep=" ## ", tokens=("<search>", "</search>"),
+        base, name="parallel", parse=parse, query_sep=" ## ", tokens=("<search>", "</search>"),
         teach=lambda think, action, arg, conf, after: f"<think> {think}</think><{action}> {arg} ## {arg}</{action}>",
     )  # fmt: skip
     monkeypatch.setitem(protocols.PROTOCOLS, "parallel", proto)
@@ -95,3 +105,31 @@ def test_a_later_option_is_keyed_only_away_from_its_default(monkeypatch):
 def test_the_tokenizer_takes_the_protocols_tags(tmp_path, parallel):
     tok = train_tokenizer(["<think> a </think> b c"] * 4, 300, tmp_path, protocols.get("deliberative").tokens)
     assert len(tok.encode("<read>", add_special_tokens=False)) == 1
+
+
+def docs(queries):
+    return [f"Doc 1(Title: {q}) {q.split()[0]} was born in Velor." for q in queries]
+
+
+ANSWER = "<think> both in Velor</think><answer> yes</answer>"
+
+
+def test_metrics_tell_a_parallel_call_from_sequential_searches(bpe, parallel):
+    (par,), _, _ = run(bpe, "parallel", ["<think> two people</think><search> Tavi born ## Ari born</search>", ANSWER],
+                       tools=docs)  # fmt: skip
+    one, two = "<think> one</think><search> Tavi born</search>", "<think> two</think><search> Ari born</search>"
+    (seq,), _, _ = run(bpe, "search_r1", [one, two, ANSWER], tools=docs)
+    assert [c["query"] for c in par["tool_calls"]] == ["Tavi born", "Ari born"] and parsed(par).format_ok
+    assert par["num_searches"] == seq["num_searches"] == 2  # the query count alone reads them the same
+    assert search_counts(par) == (1, 2) and search_counts(seq) == (2, 2)
+    par["metadata"], seq["metadata"] = {"type": "compare"}, {"type": "2hop"}
+    records = score([par, seq], "em")
+    row = batch_metrics(records)
+    assert (row["search_turns"], row["search_queries"], row["searches_per_question"]) == (1.5, 2.0, 2.0)
+    assert (row["search_turns_compare"], row["search_turns_2hop"], row["search_queries_compare"]) == (1, 2, 2)
+    m = summarize(records)
+    assert (m["search_turns_compare"], m["search_queries_compare"], m["searches_compare"]) == (1, 2, 2)
+    assert (m["search_turns_2hop"], m["search_queries_2hop"], m["searches_2hop"]) == (2, 2, 2)
+    assert behaviour_metrics(records)["search_turns"] == 1.5
+    # without a tool log the response is read: the protocol's split gives the queries
+    assert search_counts({"protocol": "parallel", "response": par["response_text"]}) == (1, 2)
