@@ -53,6 +53,7 @@ def test_no_file_but_the_table_lists_the_protocols():
 def parallel(monkeypatch):
     """A throwaway ParallelSearch-style protocol, registered by one entry and nothing else."""
     base = protocols.PROTOCOLS["search_r1"]
+
     def parse(text, cfg):  # Search-R1's turn, its search block split into independent queries
         act = protocols.parse_search_r1(text, cfg)
         queries = [q.strip() for c in act.get("calls", []) for q in c["query"].split(" ## ")]
