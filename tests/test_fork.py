@@ -134,3 +134,13 @@ def test_metrics_tell_a_parallel_call_from_sequential_searches(bpe, parallel):
     assert behaviour_metrics(records)["search_turns"] == 1.5
     # without a tool log the response is read: the protocol's split gives the queries
     assert search_counts({"protocol": "parallel", "response": par["response_text"]}) == (1, 2)
+
+
+@pytest.mark.parametrize(("value", "error"), [("all", None), ("64", None), ("-1", "must be >= 0; got -1"),
+                                              ("some", "wants a whole number or all, got 'some'")])  # fmt: skip
+def test_samples_per_step_may_be_all_to_audit_every_mask(value, error):
+    if error is None:
+        assert load_config(None, [f"train.samples_per_step={value}"]).train.samples_per_step in ("all", 64)
+        return
+    with pytest.raises(ConfigError, match=f"config key 'train.samples_per_step' {error}"):
+        load_config(None, [f"train.samples_per_step={value}"])

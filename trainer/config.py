@@ -367,7 +367,7 @@ class TrainConfig:
     dist_timeout: float = 600.0
     eval_every: int = 10
     save_every: int = 10  # checkpoint every N steps (0: only at the end)
-    samples_per_step: int = 4  # trajectories written to samples/ each step
+    samples_per_step: int | str = 4  # trajectories written to samples/ each step; all: every rollout (to audit masks)
     run_dir: str = "runs"
     name: str = "tiny"
 
@@ -431,6 +431,14 @@ def _coerce(value: object, kind: type, key: str) -> object:
         if isinstance(value, bool) or value == "auto":
             return value
         raise ConfigError(f"config key '{key}' must be true, false or auto; got {shown(value)}")
+    if kind == int | str:  # a count or "all" (train.samples_per_step); RANGES bounds the count
+        if value == "all":
+            return value
+        kind = int
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # --set gives a string
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}' wants a whole number or all, got {shown(value)}")
     if isinstance(value, bool) and kind in (int, float):
         raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {shown(value)}")
     if kind is list and isinstance(value, str):  # --set train.report_to=tensorboard,wandb
@@ -641,7 +649,7 @@ def _check_ranges(cfg: Config) -> None:
     for key, spec in RANGES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if not _in_range(value, spec):
+        if value != "all" and not _in_range(value, spec):  # "all": train.samples_per_step's every rollout
             raise ConfigError(f"config key '{key}' must be {'' if spec[0] == '>' else 'in '}{spec}; got {shown(value)}")
     t = cfg.train
     if t.algo == "grpo" and t.group_size < 2:
