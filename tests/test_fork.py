@@ -14,14 +14,13 @@ from agent import protocols
 from agent.answers import parse_response, parsed
 from eval import summarize
 from report.metrics import batch_metrics, behaviour_metrics, search_counts
-from rewards import score
+from rewards import RANGES, REWARDS, TURN_RANGES, bapo, score, stepsearch
 from tiny.sft import train_tokenizer
 from tiny.teachers import render
 from tiny.world import FIRST_OPTIONS, data_key, world_key
 from trainer.config import PROTOCOLS, ConfigError, SFTConfig, WorldConfig, load_config
 
-# rewards.py's table names rewards, some after a paper that also names a protocol (REWARDS, RANGES)
-SKIP = {"tests", "configs", ".venv", "rewards.py"}
+SKIP = {"tests", "configs", ".venv"}
 
 
 def _name_lists(tree: ast.AST) -> list[tuple[int, list[str]]]:
@@ -144,3 +143,12 @@ def test_samples_per_step_may_be_all_to_audit_every_mask(value, error):
         return
     with pytest.raises(ConfigError, match=f"config key 'train.samples_per_step' {error}"):
         load_config(None, [f"train.samples_per_step={value}"])
+
+
+def test_a_rewards_range_is_said_on_its_function():
+    """README "Fork a reward": a line in REWARDS, and `fn.range` if it leaves [0, 1]; RANGES (which
+    tests/test_rewards_properties.py holds every reward to) and TURN_RANGES read it."""
+    assert bapo.range == RANGES["bapo"] == (-1.0, 1.5) and stepsearch.turn_range == TURN_RANGES["stepsearch"]
+    assert RANGES == {name: getattr(fn, "range", (0.0, 1.0)) for name, fn in REWARDS.items()}
+    assert RANGES["em"] == (0.0, 1.0) and set(TURN_RANGES) == {"turn_hit", "stepsearch", "ig_search"}
+    assert "`fn.range = (lo, hi)` if it leaves [0, 1]" in ROOT.joinpath("README.md").read_text()
