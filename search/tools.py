@@ -88,6 +88,9 @@ def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
     process only. With rollout.search_r1_text the hits are rendered as Search-R1 renders them
     (corpus.format_hits_search_r1: titles with their quotes, each line ending in a newline). Imports
     bm25s: call after vLLM has started."""
+    if cfg.rollout.protocol not in PROTOCOLS and cfg.rollout.protocol != "search_r1":  # never a silent guess
+        raise ConfigError(f"config key 'rollout.protocol' {cfg.rollout.protocol!r} is not in agent/protocols.py's "
+                          "table (unknown, or that module is not imported yet)")  # fmt: skip
     if getattr(PROTOCOLS.get(cfg.rollout.protocol), "web_tools", False):  # agent/protocols.py's table
         return make_web_tools(cfg, corpus_path, timings)
     search = open_search(cfg.retriever, corpus_path)

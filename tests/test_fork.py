@@ -15,6 +15,7 @@ from agent.answers import parse_response, parsed
 from eval import summarize
 from report.metrics import batch_metrics, behaviour_metrics, search_counts
 from rewards import RANGES, REWARDS, TURN_RANGES, bapo, score, stepsearch
+from search.tools import make_search_fn
 from tiny.sft import train_tokenizer
 from tiny.teachers import render
 from tiny.world import FIRST_OPTIONS, data_key, world_key
@@ -83,6 +84,13 @@ def test_a_new_protocol_is_one_entry_in_the_table(parallel):
     key = world_key(cfg)
     cfg.rollout.protocol = "parallel"
     assert world_key(cfg) != key and data_key(cfg) == data_key(load_config("configs/tiny.yaml"))
+
+
+def test_the_tools_of_an_unknown_protocol_are_refused_not_guessed(tmp_path):
+    cfg = load_config(None)
+    cfg.rollout.protocol = "nope"  # past load_config's check, as a script that never imported the table would be
+    with pytest.raises(ConfigError, match="'rollout.protocol' 'nope' is not in agent/protocols.py's table"):
+        make_search_fn(cfg, tmp_path / "corpus.jsonl", {})
 
 
 def test_a_later_option_is_keyed_only_away_from_its_default(monkeypatch):
