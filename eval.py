@@ -48,6 +48,7 @@ from report.metrics import (
     compute_metrics,
     p_certain,
     rejection_success_rate,
+    search_means,
     unfaithful_share,
 )
 from report.plots import main as curves_main
@@ -107,14 +108,15 @@ def summarize(records: list[dict]) -> dict:
 
 
 def _means(records: list[dict]) -> dict[str, float]:
-    """EM, F1, format and searches averaged over `records` (EM-scored rollouts)."""
+    """EM, F1, format, searches (queries), search_turns and search_queries (report/metrics.search_counts)
+    averaged over `records` (EM-scored rollouts)."""
     n = len(records)
     return {
         "em": sum(r["reward_components"]["em"] for r in records) / n,
         "f1": sum(r["reward_components"]["f1"] for r in records) / n,
         "format_ok": sum(r["reward_components"]["format_ok"] for r in records) / n,
-        "searches": sum(r["num_searches"] for r in records) / n,
-    }
+        "searches": sum(r["num_searches"] for r in records) / n,  # queries run (rollout.py's num_searches)
+    } | search_means(records)  # search_turns beside search_queries: a parallel call is one turn
 
 
 def evaluate(engine, tokenizer, questions: list[dict], search_fn, cfg: Config, records_out: list | None = None) -> dict:

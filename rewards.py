@@ -23,11 +23,12 @@ The contract. A reward is a function
   logged per turn index (turn_reward/<k>). A per-turn reward of this table returns "reward" 0, so
   that "em + turn_hit" keeps EM as the outcome.
 - Signs: a penalty may be negative, and is welcome inside a weighted sum ("em - 0.1*my_penalty",
-  or a function returning -1); a table reward states its range in RANGES, held by a property test.
+  or a function returning -1); a table reward outside [0, 1] says its range on the function,
+  `my_reward.range = (-1.0, 1.0)` (RANGES reads it), held by a property test.
 - A group reward (one that sees all G rollouts of a question, as BAPO's) takes the group's list
   and returns one dict per rollout; mark it with `my_reward.group = True`.
-- Two ways in: a line in REWARDS (with its range in RANGES, which tests/test_rewards_properties.py
-  checks on adversarial output), or `train.reward: my_module:my_reward` for a reward kept in your
+- Two ways in: a line in REWARDS (its range, `.range`, checked by tests/test_rewards_properties.py
+  on adversarial output), or `train.reward: my_module:my_reward` for a reward kept in your
   fork (README "Fork a reward"), checked the same way before the run starts.
 
     >>> search_r1_em({"response": "<think>x</think><answer> the Velor. </answer>", "golden_answers": ["Velor"]})
@@ -391,6 +392,13 @@ info_think.without_judge = think_search.without_judge = lambda params: "it is 0 
 deliberative.without_judge = lambda params: "r_acc is EM" if params.get("acc_metric") == "judge" else ""
 
 
+# Ranges outside [0, 1] (RANGES below). deliberative's upper end grows with lambda: 1 + lambda.
+deliberative.range, webfilter.range, bapo.range = (0.0, math.inf), (-1.0, 1.0), (-1.0, 1.5)
+# Turn rewards: stepsearch's IG in [0, 1] minus a redundancy share in [0, 1]; ig_search's a
+# difference of log-probabilities.
+turn_hit.turn_range, stepsearch.turn_range, ig_search.turn_range = (0.0, 1.0), (-1.0, 1.0), (-math.inf, math.inf)
+
+
 # --------------------------------------------------------------------------------------------
 # The table, composition and scoring.
 
@@ -421,14 +429,11 @@ REWARDS = {
     "stepsearch": stepsearch,
     "ig_search": ig_search,
 }
-# The documented range of each reward (property tests hold every reward to it). deliberative's
-# upper end grows with lambda: 1 + lambda.
-RANGES = {name: (0.0, 1.0) for name in REWARDS} | {
-    "deliberative": (0.0, math.inf), "webfilter": (-1.0, 1.0), "bapo": (-1.0, 1.5),
-}  # fmt: skip
-# The range of each turn reward of a per-step reward (its "reward" is 0): stepsearch's IG in
-# [0, 1] minus a redundancy share in [0, 1]; ig_search's a difference of log-probabilities.
-TURN_RANGES = {"turn_hit": (0.0, 1.0), "stepsearch": (-1.0, 1.0), "ig_search": (-math.inf, math.inf)}
+# The documented range of each reward, said on its function (`.range`, default [0, 1]), so a new
+# reward is one line in REWARDS; property tests hold every reward to it.
+RANGES = {name: getattr(fn, "range", (0.0, 1.0)) for name, fn in REWARDS.items()}
+# The range of each turn reward of a per-step reward (its "reward" is 0), said on its function (`.turn_range`).
+TURN_RANGES = {name: fn.turn_range for name, fn in REWARDS.items() if hasattr(fn, "turn_range")}
 
 
 def parse_spec(spec: str, key: str = "train.reward") -> list[tuple[float, str]]:

@@ -196,7 +196,8 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             after_eval(p, ev)
             row["eval"] = ev
         if p.main:
-            write_samples(run, step + 1, records[: cfg.train.samples_per_step])
+            keep = None if cfg.train.samples_per_step == "all" else cfg.train.samples_per_step  # None: every rollout
+            write_samples(run, step + 1, records[:keep])
             log(run, row)
             track(p.trackers, row)
             bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")

@@ -23,6 +23,8 @@ import string
 from collections import Counter
 from dataclasses import dataclass, field
 
+from trainer.config import PROTOCOLS
+
 # --------------------------------------------------------------------------------------------
 # Parsing: one pass over the response text, shared by every reward.
 
@@ -204,8 +206,9 @@ def final_answer_confidence(blocks: list[tuple[str, str]]) -> int | None:
     return None
 
 
-def parse_response(text: str) -> Parsed:
-    """Blocks, final answer, confidence, queries and format flags of one response.
+def parse_response(text: str, query_sep: str = "") -> Parsed:
+    """Blocks, final answer, confidence, queries and format flags of one response. `query_sep`
+    splits a <search> block into several queries (a protocol's Protocol.query_sep, e.g. " ## ").
 
     >>> p = parse_response("<think>a</think><search> P born </search><information>Doc 1 ..."
     ...                    "</information><think>b</think><answer> \\\\boxed{Velor} </answer>")
@@ -232,7 +235,7 @@ def parse_response(text: str) -> Parsed:
     p.confidence = final_answer_confidence(blocks)
     for k, b in blocks:
         if k == "search" and b.strip():
-            p.queries.append(b.strip())
+            p.queries += [q.strip() for q in (b.split(query_sep) if query_sep else [b]) if q.strip()]
         elif k == "tool_call":
             qs = tool_call_queries(b)
             if qs is None:
@@ -244,10 +247,12 @@ def parse_response(text: str) -> Parsed:
 
 
 def parsed(record: dict) -> Parsed:
-    """The record's parse, cached on the record (several components read it)."""
+    """The record's parse, cached on the record (several components read it), with the query split of
+    the record's protocol (agent/protocols.py's table; a search_r1 record names none)."""
     if "_parsed" not in record:
         text = record.get("response", record.get("response_text", ""))
-        record["_parsed"] = parse_response(text if isinstance(text, str) else "")
+        sep = getattr(PROTOCOLS.get(str(record.get("protocol", ""))), "query_sep", "")
+        record["_parsed"] = parse_response(text if isinstance(text, str) else "", sep)
     return record["_parsed"]
 
 

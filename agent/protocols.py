@@ -20,6 +20,9 @@ plain record of
     invalid_obs  the invalid-action observation verbatim, outside the obs tags (empty: `hint`'s)
     prompt   the whole plain prompt of a question (None: `system + " Question: <question>\\n"`)
     whole_obs    an observation that fits is tokenised with its tags as one string (Search-R1 does)
+    tokens, web_tools, query_sep, idk_answer, teach: what the rest reads from this one table (tiny
+             tokenizer tags, search.tools' web tools, the rewards' query split, the tiny teacher), so a
+             protocol registers with one entry here (tests/test_fork.py checks no other file lists them)
 
     protocol      the policy writes                                   and gets back
     search_r1     <search> q </search>                                <information> Doc i(Title: t) text </information>
@@ -59,6 +62,7 @@ from dataclasses import dataclass, field
 
 from agent.answers import boxed, confidence_value, last_block, load_tool_call, tool_call_queries
 from search.web import format_web_results
+from trainer.config import PROTOCOLS as TABLE
 from trainer.config import ConfigError, RolloutConfig
 
 # Our own wording of Search-R1's instruction (docs/design.md §3): think, search when knowledge is
@@ -174,6 +178,14 @@ class Protocol:
     invalid_obs: str = ""  # the invalid-action observation verbatim, outside the obs tags (Search-R1's text)
     prompt: Callable[[str], str] | None = None  # the whole plain prompt of a question (None: system + question)
     whole_obs: bool = False  # an observation that fits is tokenised with its tags as one string (Search-R1's)
+    # what the rest of the project reads from the table (nothing else lists the protocols):
+    tokens: tuple[str, ...] = ()  # its own tags, whole tokens of the tiny tokenizer (tiny/sft.py), after Search-R1's
+    web_tools: bool = False  # its tools: search/web.py's search and read (search.tools), in process only
+    query_sep: str = ""  # splits one <search> block into queries (answers.parse_response); "": one query
+    idk_answer: str = "I don't know"  # the tiny teacher's "I don't know" answer (tiny/teachers.py)
+    # the tiny teacher's turn (think, action, arg, confidence, confidence after the answer) -> text;
+    # None: tiny/teachers.render's (Search-R1's tags, or the papers' formats)
+    teach: Callable[[str, str, str, int | None, bool], str] | None = None
 
 
 def invalid(why: str) -> dict:
@@ -304,7 +316,10 @@ def show_web(call: dict, result) -> tuple[str, str | None]:
 
 # ------------------------------------------------------------------------------------ table
 
-PROTOCOLS = {
+# One entry registers a protocol: rollout.protocol's choices (trainer/config.py), the rewards' parser, the
+# tiny teacher and its tokenizer, and the world's cache key (tiny/world.py) all read it from this table.
+PROTOCOLS: dict[str, Protocol] = TABLE  # the one dict trainer/config.py checks rollout.protocol against
+PROTOCOLS |= {
     "search_r1": Protocol(
         "search_r1", SEARCH_R1_SYSTEM, ["</search>", "</answer>"], parse_search_r1, show_text,
         ("\n<information>", "</information>\n"),
@@ -315,6 +330,7 @@ PROTOCOLS = {
         "bapo", BAPO_SYSTEM, ["</search>", "</answer>"], parse_bapo, show_text, ("\n<result>", "</result>\n"),
         hint="Search with <search> query </search> or answer with <answer> .. \\boxed{answer} </answer>.",
         idk=" If your reasoning and searches cannot settle the question, answer \\boxed{I DON'T KNOW}.",
+        tokens=("<result>", "</result>"), idk_answer="\\boxed{I DON'T KNOW}",
     ),
     "deliberative": Protocol(
         "deliberative", DELIBERATIVE_SYSTEM, ["</search>", "</read>", "</answer>"], parse_deliberative,
@@ -322,6 +338,7 @@ PROTOCOLS = {
         hint="Write <confidence> 1-10 </confidence>, then <search> query </search>, <read> id </read> (an id "
         "from the search results) or <answer> answer </answer>.",
         idk=" If you cannot find out, answer I don't know, with a low confidence.",
+        tokens=("<result>", "</result>", "<read>", "</read>", "<confidence>", "</confidence>"), web_tools=True,
     ),
     "webfilter": Protocol(
         "webfilter", WEBFILTER_SYSTEM, ["</tool_call>", "</answer>"], parse_webfilter, show_web,
@@ -330,6 +347,7 @@ PROTOCOLS = {
         "<answer> answer </answer>.",
         idk=" If the evidence is not enough to answer safely, answer I don't know.",
         tool_message=True, tools=[SEARCH_TOOL_SCHEMA],
+        tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"), web_tools=True,
     ),
 }  # fmt: skip
 

@@ -32,7 +32,8 @@ Keys, by paper (each defined, with a worked example, at its function):
   think_answer, info_think, think_search         VERITAS §3.2-3.3                        faithfulness_metrics
   p_unfaithful_think        teacher-forced P(the teacher's unfaithful think) where the answer's
                             think begins, the mean over contexts                         unfaithful_share
-  searches, reads, operator_use, turns, response_tokens, format_violation               behaviour_metrics
+  searches, search_turns, search_queries, reads, operator_use, turns, response_tokens, format_violation
+                                                                                         behaviour_metrics
   judge_failures            verdicts the judge failed to give (its on_failure="zero" policy)
 """
 
@@ -367,11 +368,41 @@ def _tool_log(record: dict) -> list[dict] | None:
     return calls if isinstance(calls, list) else None
 
 
+def search_counts(record: dict) -> tuple[int, int]:
+    """(search turns, search queries) of one rollout: the turns that searched and the queries they ran,
+    from rollout.py's tool_calls log (a nameless entry is a search; each entry's "turn"); without a log,
+    the <search> / <tool_call> blocks and answers.Parsed.queries of the response. A parallel call
+    (webfilter's queries list, a protocol's query_sep) is one turn of several queries; sequential
+    searches are a turn each.
+
+    >>> search_counts({"tool_calls": [{"turn": 1, "query": "a"}, {"turn": 1, "query": "b"},
+    ...                               {"turn": 2, "name": "read", "id": "p1"}, {"turn": 3, "query": "c"}]})
+    (2, 3)
+    """
+    log = _tool_log(record)
+    if log is None:
+        p = parsed(record)
+        return sum(k in ("search", "tool_call") for k, _ in p.blocks), len(p.queries)
+    searches = [(c.get("turn", i), c) for i, c in enumerate(log) if c.get("name", "search") == "search"]
+    return len({turn for turn, _ in searches}), len(searches)
+
+
+def search_means(records: list[dict], suffix: str = "") -> dict:
+    """search_turns and search_queries per rollout (search_counts), keys ending in `suffix`."""
+    counts = [search_counts(r) for r in records]
+    return {
+        f"search_turns{suffix}": _mean([t for t, _ in counts]),
+        f"search_queries{suffix}": _mean([q for _, q in counts]),
+    }
+
+
 def behaviour_metrics(records: list[dict]) -> dict:
     """Means per rollout (= per question with one rollout each):
       searches          executed searches: rollout.py's tool_calls log (a search written on the
                         last turn is not executed and not counted); records without a log count
                         the queries in the response (answers.Parsed.queries)
+      search_turns, search_queries   turns that searched and the queries they ran (search_counts):
+                        a parallel call of two queries is 1 and 2, two sequential searches 2 and 2
       reads             READ actions (Deliberative Searcher §2.2): log entries named "read", else
                         <read> blocks in the response
       operator_use      share of rollouts with a query using an advanced operator: rewards.
@@ -399,6 +430,7 @@ def behaviour_metrics(records: list[dict]) -> dict:
         turns.append(r["turns"] if isinstance(r.get("turns"), int) else 1 + sum(k in ACTIONS for k, _ in p.blocks))
     out = {
         "searches": _mean(searches),
+        **search_means(records),
         "reads": _mean(reads),
         "operator_use": _mean([source_restricting(r)["reward"] for r in records]),
         "turns": _mean(turns),
@@ -472,7 +504,9 @@ def metrics_by_dataset(records: list[dict], zeta: float = 5, judge=None, referen
 
 def batch_metrics(records: list[dict]) -> dict:
     """A training batch's means (train.py logs them every step): EM, IDK rate and answered rate
-    whatever the reward, plus each numeric reward component as `reward/<name>` (rewards.py)."""
+    whatever the reward, search turns and queries (search_counts; searches_per_question is
+    num_searches, the queries) overall and per question type (`metadata.type`: search_turns_2hop),
+    plus each numeric reward component as `reward/<name>` (rewards.py)."""
     n = len(records)
     row = {
         "reward": sum(r["reward"] for r in records) / n,
@@ -481,7 +515,14 @@ def batch_metrics(records: list[dict]) -> dict:
         "format_ok": sum(r["finish"] == "answer" for r in records) / n,
         "response_len": sum(sum(r["loss_mask"]) for r in records) / n,
         "searches_per_question": sum(r["num_searches"] for r in records) / n,
-    }
+    } | search_means(records)
+    by_type: dict[str, list[dict]] = {}
+    for r in records:
+        kind = (r.get("metadata") or {}).get("type")
+        if kind:
+            by_type.setdefault(str(kind), []).append(r)
+    for kind in sorted(by_type):
+        row |= search_means(by_type[kind], f"_{kind}")
     keys = {k for r in records for k, v in r["reward_components"].items() if isinstance(v, (int, float))}
     for key in sorted(keys - {"reward"}):
         row[f"reward/{key}"] = sum(float(r["reward_components"].get(key, 0.0)) for r in records) / n

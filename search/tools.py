@@ -20,7 +20,7 @@ from search.client import RetrieverError, http_retrieve
 from search.corpus import format_hits, format_hits_search_r1
 from search.index import Index, ensure_index, load_index
 from search.web import operator_search, read, web_search
-from trainer.config import Config, ConfigError
+from trainer.config import PROTOCOLS, Config, ConfigError
 
 
 def open_index(rcfg, corpus_path: str | Path = "") -> Index:
@@ -85,12 +85,15 @@ def web_tools(index, k: int = 5, read_tokens: int = 512, tokenizer=None) -> dict
 
 def make_search_fn(cfg: Config, corpus_path: Path, timings: dict):
     """The rollout's tools. Search-R1 and BAPO protocols: one batched search, queries -> rendered
-    hits, in process or over HTTP (search.tools.open_search). Deliberative and WebFilter protocols:
+    hits, in process or over HTTP (search.tools.open_search). Protocols with `web_tools` (Deliberative, WebFilter):
     {"search", "read"} over search/web.py (sources with url and date, operators, read by id), in
     process only. With rollout.search_r1_text the hits are rendered as Search-R1 renders them
     (corpus.format_hits_search_r1: titles with their quotes, each line ending in a newline). Imports
     bm25s: call after vLLM has started."""
-    if cfg.rollout.protocol in ("deliberative", "webfilter"):
+    if cfg.rollout.protocol not in PROTOCOLS and cfg.rollout.protocol != "search_r1":  # never a silent guess
+        raise ConfigError(f"config key 'rollout.protocol' {cfg.rollout.protocol!r} is not in agent/protocols.py's "
+                          "table (unknown, or that module is not imported yet)")  # fmt: skip
+    if getattr(PROTOCOLS.get(cfg.rollout.protocol), "web_tools", False):  # agent/protocols.py's table
         return make_web_tools(cfg, corpus_path, timings)
     search = open_search(cfg.retriever, corpus_path, send_blank=cfg.rollout.search_r1_text)
     render = format_hits_search_r1 if cfg.rollout.search_r1_text else format_hits

@@ -46,11 +46,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from agent import protocols
 from agent.answers import exact_match, last_block
 from rollout import TAGS, render_prompt, tokenize_segments
 from search.corpus import format_hits
 from search.tools import make_search_fn, open_search
-from tiny.teachers import PROTOCOL_TAGS, protocol_trajectories
+from tiny.teachers import protocol_trajectories
 from tiny.world import (
     GUESSED,
     UNFAITHFUL_THINK,
@@ -91,7 +92,7 @@ def qwen_style_bpe(texts: list[str], vocab_size: int, special: list[str]):
     return tok
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, extra_tags: list[str] = ()):
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, extra_tags: tuple[str, ...] | list[str] = ()):
     """Byte-level BPE trained on the world; tags are whole tokens. Saved as a HF tokenizer.
 
     It splits text as Qwen2's tokenizer does (qwen_style_bpe), because that is what
@@ -340,7 +341,7 @@ def ensure_tiny_policy(cfg: Config) -> Path:
             f.write(json.dumps(t) + "\n")
     corpus_texts = [json.loads(line)["contents"] for line in open(out / "corpus.jsonl")]
     texts = corpus_texts + ["".join(s for s, _ in t) for t in trajectories[:2000]]
-    tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir, PROTOCOL_TAGS[cfg.rollout.protocol])
+    tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir, protocols.get(cfg.rollout.protocol).tokens)
     examples = []
     for t in trajectories:
         ids, mask = tokenize_segments(tokenizer, t, cfg.rollout.max_obs_tokens)

@@ -29,6 +29,7 @@ import re
 import zlib
 from dataclasses import dataclass, replace
 
+from agent import protocols
 from agent.answers import OBSERVATIONS, exact_match, parse_response
 from rollout import render_prompt, rollout_batch
 from search.tools import make_search_fn
@@ -43,15 +44,6 @@ from tiny.world import (
     read_jsonl,
 )
 from trainer.config import load_config
-
-IDK = {"bapo": "\\boxed{I DON'T KNOW}"}  # the other protocols write "I don't know"
-# tags of the other protocols: whole tokens in the tiny tokenizer of a world built for them
-PROTOCOL_TAGS = {
-    "search_r1": [],
-    "bapo": ["<result>", "</result>"],
-    "deliberative": ["<result>", "</result>", "<read>", "</read>", "<confidence>", "</confidence>"],
-    "webfilter": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
-}
 
 
 @dataclass
@@ -80,7 +72,10 @@ def draw_flaws(question: dict, sft, seed: int) -> Flaws:
 
 def render(protocol: str, think: str, action: str, arg: str, confidence: int | None, after: bool = False) -> str:
     """One turn in the protocol's format: think [confidence] then search / read / answer; with
-    `after` (rollout.confidence_after_answer) an answer's confidence follows it instead."""
+    `after` (rollout.confidence_after_answer) an answer's confidence follows it instead. A protocol
+    with its own `teach` (agent/protocols.py) writes its turns itself."""
+    if protocols.get(protocol).teach is not None:
+        return protocols.get(protocol).teach(think, action, arg, confidence, after)
     conf = f"<confidence> {confidence}</confidence>" if confidence is not None else ""
     if action == "answer":
         arg = f"\\boxed{{{arg}}}" if protocol == "bapo" and not arg.startswith("\\boxed") else arg
@@ -106,7 +101,7 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
     final_conf = rng.randint(1, 10) if confidence or protocol == "deliberative" else None
 
     def answer(think: str, value: str) -> str:
-        value = (IDK.get(protocol, "I don't know")) if flaws.idk else value
+        value = protocols.get(protocol).idk_answer if flaws.idk else value
         right = exact_match(value, question["golden_answers"]) == 1.0
         conf = None if final_conf is None else hinted_confidence(rng, right, confidence_hint, final_conf)
         return render(protocol, think, "answer", value, conf, confidence_after)

@@ -348,11 +348,11 @@ def world_key(cfg: Config) -> str:
     keys count as this machine resolves them (a config read from YAML still says `auto`)."""
     cfg = resolve_precision(copy.deepcopy(cfg))
     parts = {
-        # options added later are left out while unset, so older worlds keep their keys
-        "world": {k: v for k, v in vars(cfg.world).items() if k not in LATER_OPTIONS or v} | {"cache_dir": None},
+        # options added later are left out while unset, so older worlds keep their keys (FIRST_OPTIONS)
+        "world": _keyed(cfg.world) | {"cache_dir": None},
         "model": vars(cfg.model),
         # probe_every is a diagnostic (it changes no weights)
-        "sft": {k: v for k, v in vars(cfg.sft).items() if k not in LATER_OPTIONS or v} | {"probe_every": None},
+        "sft": _keyed(cfg.sft) | {"probe_every": None},
         "topk": cfg.retriever.topk,
         "max_obs_tokens": cfg.rollout.max_obs_tokens,
         "prompt": cfg.rollout.prompt_template,
@@ -376,9 +376,22 @@ def world_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
-LATER_OPTIONS = ("confidence", "p_idk", "p_site", "p_unfaithful_think", "unanswerable_frac", "misinfo_frac",
-                 "unanswerable_novel_names", "p_confidence_hint", "think_cites_source", "warm_start",
-                 "admits_guess")  # fmt: skip
+# The world and SFT keys the first worlds were keyed on, always in the key. Every option added since
+# (sft.confidence, p_idk, .., a fork's new option) is keyed only while it differs from its default, so
+# older worlds keep their keys and a new option needs no list: this one is closed, never added to.
+FIRST_OPTIONS = frozenset({
+    "seed", "n_people", "n_cities", "n_countries", "n_val", "n_test", "unreliable_frac", "cache_dir",  # world
+    "steps", "batch_tokens", "lr", "warmup_steps", "decay_frac", "weight_decay", "train_on_observations",  # sft
+    "probe_every", "bf16", "p_guess_second_hop", "p_no_search",
+})  # fmt: skip
+
+
+def _keyed(section) -> dict:
+    """A config section's part of a cache key: its first options, and the later ones set away from their defaults."""
+    defaults = type(section)()
+    return {k: v for k, v in vars(section).items() if k in FIRST_OPTIONS or v != getattr(defaults, k)}
+
+
 FORMAT_VERSION = 4  # bump when the generator, teacher, prompt or tokenizer changes what gets built (4: Qwen2 split)
 
 
@@ -389,7 +402,7 @@ def world_dir(cfg: Config) -> Path:
 
 def data_key(cfg: Config) -> str:
     """Cache key of the world's corpus and questions alone: generate_world reads cfg.world only."""
-    world = {k: v for k, v in vars(cfg.world).items() if k not in LATER_OPTIONS or v} | {"cache_dir": None}
+    world = _keyed(cfg.world) | {"cache_dir": None}
     parts = {"world": world, "format": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 

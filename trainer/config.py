@@ -226,7 +226,7 @@ class RolloutConfig:
     # Prompt with a {question} slot; empty = Search-R1's full instruction (rollout.py). The tiny
     # world uses a one-line version: its 100-token instruction would double every sequence.
     prompt_template: str = ""
-    # Agent protocol (agent/protocols.py): search_r1 | bapo | deliberative | webfilter. Each has its own
+    # Agent protocol: a name in agent/protocols.py's PROTOCOLS (search_r1, the papers' ones). Each has its own
     # instructions, tags, stop strings and tools; prompt_template, when set, replaces the instructions.
     protocol: str = "search_r1"
     chat_template: bool = False  # instruct models: the prompt goes through tokenizer.apply_chat_template
@@ -367,7 +367,7 @@ class TrainConfig:
     dist_timeout: float = 600.0
     eval_every: int = 10
     save_every: int = 10  # checkpoint every N steps (0: only at the end)
-    samples_per_step: int = 4  # trajectories written to samples/ each step
+    samples_per_step: int | str = 4  # trajectories written to samples/ each step; all: every rollout (to audit masks)
     run_dir: str = "runs"
     name: str = "tiny"
 
@@ -432,6 +432,14 @@ def _coerce(value: object, kind: type, key: str) -> object:
         if isinstance(value, bool) or value == "auto":
             return value
         raise ConfigError(f"config key '{key}' must be true, false or auto; got {shown(value)}")
+    if kind == int | str:  # a count or "all" (train.samples_per_step); RANGES bounds the count
+        if value == "all":
+            return value
+        kind = int
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # --set gives a string
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}' wants a whole number or all, got {shown(value)}")
     if isinstance(value, bool) and kind in (int, float):
         raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {shown(value)}")
     if kind is list and isinstance(value, str):  # --set train.report_to=tensorboard,wandb
@@ -448,6 +456,12 @@ def _coerce(value: object, kind: type, key: str) -> object:
     raise ConfigError(f"config key '{key}' wants {kind.__name__}, got {shown(value)}")
 
 
+# agent/protocols.py's table, name -> Protocol, filled there as it loads (this layer lies below the agents):
+# rollout.protocol's choices, the parser's query split (agent/answers.parsed) and the tiny teachers' tags
+# all read this one table. Every script that runs a protocol imports it before it reads a config; until
+# then (trainer/plan.py) the key is left unchecked here, and agent/protocols.get checks it before a rollout.
+PROTOCOLS: dict = {}
+
 # Keys whose value must be one of a few words; a typo is an error naming the key, not a silent default.
 CHOICES = {
     "train.kl_estimator": ("k1", "k2", "k3"),
@@ -460,7 +474,7 @@ CHOICES = {
     "train.algo": ("grpo", "ppo", "rft"),
     "train.lr_schedule": ("constant", "cosine"),
     "sft.confidence": ("", "random", "parity"),
-    "rollout.protocol": ("search_r1", "bapo", "deliberative", "webfilter"),
+    "rollout.protocol": PROTOCOLS,
     "rollout.weight_sync": ("memory", "file"),
     "train.optimizer": ("adamw", "adamw8bit"),
     "train.resample_stage": ("plateau", "always"),
@@ -489,7 +503,7 @@ def _check_choices(cfg: Config) -> None:
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value not in allowed:
+        if allowed and value not in allowed:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {shown(value)}")
     _check_encoder_family(cfg.retriever)
     if cfg.sft.think_cites_source and cfg.rollout.protocol != "search_r1":
@@ -499,7 +513,7 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError("config key 'sft.warm_start' fine-tunes your model.path on the Search-R1 teacher: it needs "
                           f"model.path and rollout.protocol search_r1; got {shown(cfg.model.path)}, "
                           f"{shown(cfg.rollout.protocol)}")  # fmt: skip
-    if cfg.rollout.protocol in ("deliberative", "webfilter") and cfg.retriever.url:  # was refused after the engine
+    if getattr(PROTOCOLS.get(cfg.rollout.protocol), "web_tools", False) and cfg.retriever.url:  # before the engine
         raise ConfigError(f"config key 'rollout.protocol' {cfg.rollout.protocol!r} needs an in-process index "
                           "(operators, read by id); retriever.url is a Search-R1 /retrieve server: set "
                           "retriever.index instead")  # fmt: skip
@@ -637,7 +651,7 @@ def _check_ranges(cfg: Config) -> None:
     for key, spec in RANGES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if not _in_range(value, spec):
+        if value != "all" and not _in_range(value, spec):  # "all": train.samples_per_step's every rollout
             raise ConfigError(f"config key '{key}' must be {'' if spec[0] == '>' else 'in '}{spec}; got {shown(value)}")
     t = cfg.train
     if t.algo == "grpo" and t.group_size < 2:
