@@ -276,6 +276,27 @@ def test_the_paper_configs_plans_match_a_hand_computation(path, offload, tmp_pat
         assert not plan["fits"]  # the rollout: 91.7 of 80 GB
 
 
+def test_the_box_docs_memory_table_is_the_plans(tmp_path):
+    """docs/box.md's table of the paper configs (base; Instruct's plan is the same): its offload,
+    training and rollout peaks and host rows are what --plan computes for the shipped configs."""
+    from trainer.config import load_config
+    from trainer.plan import memory_plan
+
+    box = (ROOT / "docs" / "box.md").read_text()
+    for (algo, size), offload in CONFIGURED.items():
+        row = next(line for line in box.splitlines() if line.startswith(f"| {algo.upper()} {size.upper()} |"))
+        cells = [c.strip().strip("*") for c in row.strip("|").split("|")]
+        path = ROOT / "configs" / f"search_r1_{algo}_qwen2.5-{size}-base.yaml"
+        cfg = load_config(path, [f"model.path={tmp_path / f'Qwen2.5-{size[:-1]}B'}",
+                                 f"data.corpus={tmp_path / 'wiki-18.jsonl'}",
+                                 f"retriever.model={tmp_path / 'e5-base-v2'}"])  # fmt: skip
+        plan = memory_plan(cfg)
+        assert cells[1] == str(offload).lower(), row
+        assert cells[8] == f"{plan['train_total']:.2f}** / 78", row
+        assert cells[9] == f"{plan['rollout_total']:.2f}** / 80", row
+        assert cells[10] == f"{plan['host_per_gpu']:.2f}" and cells[11] == f"{plan['host_per_node']:.1f}", row
+
+
 # ---------------------------------------------------------------------------------------------
 # The recipe, as a user on the box reads it.
 
