@@ -78,17 +78,19 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
   than fit means vLLM runs it in waves.
 
 Worked example: configs/search_r1_ppo_qwen2.5-7b-base.yaml, Qwen2.5-7B (h 3584, L 28, 28 heads,
-4 kv heads, head_dim 128, i 18944, V 152064, untied) on 8 x 80 GB, bf16, FSDP, CPU offload,
-checkpointing, AdamW, T = 8192, vLLM share 0.6:
+4 kv heads, head_dim 128, i 18944, V 152064, untied) on 8 x 80 GB, bf16, FSDP, CPU offload per
+phase, checkpointing, AdamW, T = 8192, vLLM share 0.6:
   P = 2*152064*3584 + 28*233,057,792 + 3584 = 7,615,616,512
-  host RAM per GPU: weights, gradients 7.616e9*2/8 = 1.90 GB each, optimizer 7.616e9*12/8 = 11.42,
-             reference 1.90, critic 7.071e9*16/8 = 14.14: 31.3 GB (250 GB for the box, 314.8 with the index)
+  state per GPU (host RAM in the rollout, the GPU in the update): weights, gradients
+             7.616e9*2/8 = 1.90 GB each, optimizer 7.616e9*12/8 = 11.42, reference 1.90, critic
+             7.071e9*16/8 = 14.14: 31.3 GB (250 GB of host RAM for the box, 314.8 with the index)
   gathered   (2*1.090e9 + 3*2.331e8) * 2 = 5.76 GB
   activations 8192*28*2*3584 + 8192*196,608 = 1.64 + 1.61 = 3.25 GB (45.1 GB without checkpointing)
   logits     8192*152064*2*2 + 2*256*152064*4 = 4.98 + 0.31 = 5.29 GB
   retriever  served on this box: 21,015,324*768*4/8 + 1.61 + 0.5 + 1.095e8*2 = 8.07 + 2.11 + 0.22 = 10.40 GB
-  peak       2 + 10.40 + (5.76 + 3.25 + 5.29) = 26.71 GB of 80 - 2 = 78 (sleep mode): fits;
-             rollout 0.6*80 + 10.40 + 2 = 60.40 of 80: fits
+  peak       2 + 10.40 + 31.28 + (5.76 + 3.25 + 5.29) = 57.98 GB of 80 - 2 = 78 (sleep mode): fits;
+             rollout 0.6*80 + 10.40 + 2 = 60.40 of 80 (the state on the host): fits; with no
+             offload 91.68 does not, with micro_batch the update is 26.71
   vLLM       weights 15.23 GB, KV cache 48 - 15.23 = 32.77 GB at 57,344 B per token = 571,441
              tokens; PPO's batch needs 512*1*4096/8 = 262,144 per GPU (GRPO's, 5 per question,
              1,310,720: ~2.3 waves if every trajectory ran to 4096 tokens)
