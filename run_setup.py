@@ -38,6 +38,8 @@ from trainer.distributed import (
     load_from_rank0,
     make_optimizer,
     needs_reference,
+    offload_to_host,
+    phase_offload,
     process_layout,
     shard,
     shard_reference,
@@ -108,7 +110,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     # read before the engine starts: vLLM CPU sets LOCAL_WORLD_SIZE to its tensor-parallel size
     # in this process (vllm/platforms/cpu.py), which a 2-process launch then reads as 1
     here = process_layout(rank, device)
-    threads = trainer_threads(cfg.train.threads, cfg.train.cpu_offload, device.type == "cuda",
+    threads = trainer_threads(cfg.train.threads, cfg.train.cpu_offload == "micro_batch", device.type == "cuda",
                               len(os.sched_getaffinity(0)), here["local_world_size"])  # fmt: skip
     torch.set_num_threads(threads)
     constraints = parse_constraints(cfg.train.constraints)  # a bad constraint fails before any work
@@ -144,6 +146,8 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         (run / "processes.json").write_text(json.dumps(layout, indent=1))
     torch.set_num_threads(threads)  # vLLM's GPU worker drops torch to 1 thread "for serving"
     model, ref, critic = load_models(cfg, run, start_dir, resume_from, device, rank, world)
+    if phase_offload(cfg, world):  # train.cpu_offload phase: on the host until the first update (a resumed
+        offload_to_host([model, ref, critic], [])  # optimizer state then loads beside its parameters)
     trainable = [q for q in model.parameters() if q.requires_grad]  # all of them, or LoRA's adapters
     optimizer = make_optimizer(trainable, cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     critic_opt = critic_optimizer(critic, cfg.train.critic_lr) if critic is not None else None

@@ -106,10 +106,14 @@ from trainer.distributed import (
     broadcast,
     check_shared_run_dir,
     close,
+    compute_device,
     full_weights,
     gather_lists,
     init,
+    load_to_device,
     my_share,
+    offload_to_host,
+    phase_offload,
 )
 from trainer.faults import (
     Interrupted,
@@ -177,6 +181,8 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
                      "retrieve": slowest(retrieve, p.world)}  # fmt: skip
             gpu["generate"] = stage_peak_gib(p.world)
             t0 = time.time()
+            if phase_offload(cfg, p.world):  # vLLM asleep: the training state back for rewards (KL) and update
+                load_to_device([p.model, p.ref, p.critic], [p.optimizer, p.critic_opt], compute_device(p.model))
             constraint_row = reward_stage(p, records, judged_before, scored=cfg.train.filter_groups)  # 2. rewards
             times["reward"], t0 = time.time() - t0, time.time()
             stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
@@ -322,7 +328,11 @@ def sync_stage(p: RunParts) -> None:
         engine_dtype = getattr(torch, p.cfg.model.dtype, None)  # bf16 on the box: gathered in bf16
         weights = (full_weights(p.model, p.rank, every_rank=True, dtype=engine_dtype) if p.world > 1
                    else p.model.state_dict().items())  # fmt: skip
-    p.engine.load_weights(weights)
+    # train.cpu_offload phase: the state to the host once the engine has the weights, before its
+    # KV cache returns for the next rollout (run_setup.setup put it there before the first)
+    models, optimizers = [p.model, p.ref, p.critic], [p.optimizer, p.critic_opt]
+    to_host = (lambda: offload_to_host(models, optimizers)) if phase_offload(p.cfg, p.world) else None
+    p.engine.load_weights(weights, before_kv_cache=to_host)
 
 
 def step_row(p: RunParts, step: int, records: list[dict], stats: dict, constraint_row: dict, times: dict) -> dict:

@@ -27,8 +27,10 @@ the size named (no download), one process with FSDP2 over a world of 1:
    sizes (fp32 master weights, bf16 compute, checkpointing, the entropy's gradient, 8192 tokens,
    AdamW) beside trainer/plan.py's prediction for the same settings on one GPU, less its 2 GB
    allowance (a context and fragmentation, which max_memory_allocated does not see).
-3. offload: the seconds and the peak of one update with train.cpu_offload (FSDP2's
-   CPUOffloadPolicy: a host round trip each micro-batch) and without, at Qwen2.5-0.5B's sizes.
+3. offload: the seconds and the peak of one update with train.cpu_offload micro_batch (FSDP2's
+   CPUOffloadPolicy: a host round trip each micro-batch), phase (the update on the GPU, plus the
+   seconds of the state's two moves a step: distributed.offload_to_host, load_to_device) and
+   false, at Qwen2.5-0.5B's sizes.
 """
 
 from __future__ import annotations
@@ -163,8 +165,9 @@ def sync_check(tmp: Path, gpu: bool, engine_kind: str) -> str:
     return f"{engine_kind} engine: max |logp engine - logp trainer| before the sync {before:.3g}, after {after:.3g}"
 
 
-def update_check(tmp: Path, gpu: bool, size: str, offload: bool) -> tuple[float, float, float]:
-    """(seconds of the second update, peak GB, the plan's GB less its allowance)."""
+def update_check(tmp: Path, gpu: bool, size: str, offload: bool | str) -> tuple[float, float, float, float]:
+    """(seconds of the second update, peak GB, the plan's GB less its allowance, seconds of the
+    state's move to the host and back before it under offload phase, else 0)."""
     import time
 
     arch = QWEN25[size] if gpu else TOY
@@ -179,6 +182,14 @@ def update_check(tmp: Path, gpu: bool, size: str, offload: bool) -> tuple[float,
     model = distributed.shard(memory_savers(model, cfg), cfg)
     optimizer = distributed.make_optimizer(model.parameters(), 1e-6, 0.0)
     one_update(model, optimizer, tokens, arch["vocab"], cfg.train.bf16)  # AdamW's state exists from here
+    moves = 0.0
+    if offload == "phase":  # what train.py does around each rollout
+        t = time.perf_counter()
+        distributed.offload_to_host([model], [optimizer])
+        distributed.load_to_device([model], [optimizer], distributed.compute_device(model))
+        if gpu:
+            torch.cuda.synchronize()
+        moves = time.perf_counter() - t
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -189,7 +200,7 @@ def update_check(tmp: Path, gpu: bool, size: str, offload: bool) -> tuple[float,
     seconds = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated() / 1e9 if gpu else float("nan")
     # one process: the plan counts no FSDP offload (it needs 2+ GPUs), so its figure is offload's "none"
-    return seconds, peak, memory_plan(cfg)["train_total"] - OVERHEAD_GB
+    return seconds, peak, memory_plan(cfg)["train_total"] - OVERHEAD_GB, moves
 
 
 def box_child(check: str, port: int, engine_kind: str) -> None:
@@ -203,13 +214,15 @@ def box_child(check: str, port: int, engine_kind: str) -> None:
             if check == "sync":
                 result = sync_check(Path(tmp), gpu, engine_kind)
             elif check == "update":
-                seconds, peak, plan = update_check(Path(tmp), gpu, "3", offload=False)
+                seconds, peak, plan, _ = update_check(Path(tmp), gpu, "3", offload=False)
                 sizes = "Qwen2.5-3B sizes, 8192 tokens" if gpu else "toy sizes (--cpu), 256 tokens"
                 result = f"{sizes}: peak {peak:.2f} GB allocated, plan {plan:.2f} GB"
                 result += f" ({seconds:.1f} s)"
             else:
-                runs = [(off, *update_check(Path(tmp), gpu, "0.5", offload=off)) for off in (False, True)]
-                result = ", ".join(f"cpu_offload {str(o).lower()}: {t:.2f} s, peak {p:.2f} GB" for o, t, p, _ in runs)
+                modes = (False, "phase", "micro_batch")
+                runs = [(off, *update_check(Path(tmp), gpu, "0.5", offload=off)) for off in modes]
+                result = ", ".join(f"cpu_offload {str(o).lower()}: {t:.2f} s" + (f" + {m:.2f} s moving" if m else "")
+                                   + f", peak {p:.2f} GB" for o, t, p, _, m in runs)  # fmt: skip
             result = "ok: " + result
         except Exception as e:  # the finding: what this machine does with the box's path
             result = f"error: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"

@@ -88,7 +88,12 @@ def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int,
     optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay, cfg.train.optimizer)
     counted = count_no_grad_tokens(model, ref)
     t0 = time.time()
-    stats = grpo_step(model, ref, records, optimizer, cfg, spec["pad_id"], step=0, rank=rank, world=world)
+    phase = distributed.phase_offload(cfg, world)
+    for step in range(case.get("steps", 1)):  # train.cpu_offload phase: to the host (the rollout), back (the update)
+        if phase:
+            distributed.offload_to_host([model, ref], [optimizer])
+            distributed.load_to_device([model, ref], [optimizer], distributed.compute_device(model))
+        stats = grpo_step(model, ref, records, optimizer, cfg, spec["pad_id"], step=step, rank=rank, world=world)
     if sharded and cfg.train.optimizer == "adamw8bit":  # the storage 8-bit AdamW steps is the model's own
         stepped = [s for group in optimizer.param_groups for s in group["params"]]
         stats["optimizer_steps_the_shards"] = all(s.data_ptr() == p.to_local().data_ptr()
@@ -98,9 +103,25 @@ def run_case(case: dict, spec: dict, records: list[dict], rank: int, world: int,
     stats |= {"seconds": time.time() - t0, "world": world, "sharded": sharded, "reference": reference}
     distributed.save_full_state(model, out / f"{case['name']}.safetensors", rank)
     save_grads(model, out / f"{case['name']}.grads.safetensors", rank)
+    if phase:  # every tensor of the state reached: moved to the meta device (its contents are lost)
+        distributed.offload_to_host([model, ref], [optimizer], "meta")
+        stats["meta"] = moved_to_meta(model, ref, optimizer)
     if distributed.is_main(rank):
         (out / f"{case['name']}.json").write_text(json.dumps(stats))
     return stats
+
+
+def moved_to_meta(model, ref, optimizer) -> dict:
+    """Counts of the state's tensors (local shards) on the meta device and elsewhere, and whether
+    the optimizer still steps the model's own Parameter objects."""
+    tensors = [t for m in (model, ref) for p in m.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    stepped = [q for group in optimizer.param_groups for q in group["params"]]
+    return {"on_meta": sum(t.is_meta for t in local), "elsewhere": sum(not t.is_meta for t in local),
+            "grads": sum(p.grad is not None for p in model.parameters()), "states": len(optimizer.state),
+            "same_params": len(stepped) == len(list(model.parameters()))
+            and all(a is b for a, b in zip(stepped, model.parameters()))}  # fmt: skip
 
 
 def run_critic_case(case: dict, spec: dict, records: list[dict], rank: int, world: int) -> dict:

@@ -63,6 +63,12 @@ CASES = [
         "train.bf16=true", "train.kl_coef=0.05", "train.mini_batches=2"]},
     {"name": "cpu_offload", "sharded_only": True, "overrides": BASE + [
         "train.cpu_offload=true", "train.kl_coef=0.05", "train.grad_checkpointing=true"]},
+    # two steps with train.cpu_offload phase (the state to the host and back before each update)
+    # against two without: bit for bit (issue 53, finding 3)
+    {"name": "phase_offload", "sharded_only": True, "steps": 2, "overrides": BASE + [
+        "train.cpu_offload=phase", "train.kl_coef=0.05"]},
+    {"name": "no_offload_two_steps", "sharded_only": True, "steps": 2, "overrides": BASE + [
+        "train.cpu_offload=false", "train.kl_coef=0.05"]},
     # PPO's critic under the paper configs' flags: bf16 policy and cpu_offload (issue 33, item 5:
     # "mat1 and mat2 must have the same dtype" at the value head)
     {"name": "critic_bf16_offload", "sharded_only": True, "critic": True, "overrides": BASE + [
@@ -321,6 +327,68 @@ def test_sharded_critic_runs_under_bf16_and_offload(runs):
     assert sorted(sharded) == sorted(whole)
     for name, tensor in whole.items():
         assert_equal_bits(sharded[name], tensor, what=name)
+
+
+def test_phase_offload_trains_bit_for_bit_as_no_offload(runs):
+    """train.cpu_offload phase (issue 53, finding 3): two sharded steps, the policy, its gradients,
+    AdamW's moments and the sharded reference moved to the host and back before each (what
+    train.py does around a rollout), end on the bits of two steps without. On CPU "the host" is
+    the same memory, but every move is a copy into new storage (distributed._moved), so an FSDP
+    shard or an optimizer moment left pointing at the old storage would show here. Then the state
+    moved to the meta device: every parameter's, gradient's and moment's local shard arrives, and
+    the optimizer still holds the model's own Parameter objects."""
+    from safetensors.torch import load_file
+
+    _, fsdp, _ = runs
+    for what in ("", ".grads"):
+        phase = load_file(str(fsdp / f"phase_offload{what}.safetensors"))
+        none = load_file(str(fsdp / f"no_offload_two_steps{what}.safetensors"))
+        assert sorted(phase) == sorted(none)
+        for name, tensor in none.items():
+            assert_equal_bits(phase[name], tensor, what=name + what)
+    initial = load_file(str(fsdp / "initial.safetensors"))
+    assert any(not torch.equal(initial[n], t) for n, t in none.items() if n in initial)  # the steps moved weights
+    stats = json.loads((fsdp / "phase_offload.json").read_text())
+    none_stats = json.loads((fsdp / "no_offload_two_steps.json").read_text())
+    assert stats["loss"] == none_stats["loss"] and stats["grad_norm"] == none_stats["grad_norm"]
+    meta = stats["meta"]
+    assert meta["elsewhere"] == 0 and meta["on_meta"] > 0 and meta["same_params"], meta
+    assert meta["grads"] > 0 and meta["states"] > 0, meta  # gradients and AdamW's moments were there to move
+
+
+def test_offload_moves_every_tensor_and_keeps_the_parameters():
+    """distributed.offload_to_host / load_to_device on one process's state (no FSDP here; the
+    sharded case is test_phase_offload_trains_bit_for_bit_as_no_offload): a model with
+    gradients and AdamW's moments, and a frozen second model (a reference). With no GPU the host
+    is the only device with contents, so the round trip is host to host, each move a copy into
+    new storage: the same bits come back, the optimizer's Parameter objects are the model's. The
+    meta device (contents dropped) stands in for the GPU to show that every tensor moves."""
+    from trainer.distributed import load_to_device, offload_to_host
+
+    torch.manual_seed(0)
+    model, ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 4)).square().sum().backward()
+    optimizer.step()
+    params = list(model.parameters())
+
+    def tensors():
+        state = [v for st in optimizer.state.values() for k, v in st.items() if k != "step"]
+        return [*params, *(q.grad for q in params), *state, *ref.parameters()]
+
+    before = [t.clone() for t in tensors()]
+    pointers = [t.data_ptr() for t in tensors()]
+    offload_to_host([model, ref], [optimizer])
+    load_to_device([model, ref], [optimizer], "cpu")
+    assert all(a is b for a, b in zip(optimizer.param_groups[0]["params"], model.parameters()))
+    assert all(q is p for q, p in zip(model.parameters(), params))
+    assert len(tensors()) == len(before) == 2 * 4 + 2 * 4 + 2
+    for old, new, ptr in zip(before, tensors(), pointers):
+        assert_equal_bits(new, old, what="round trip")
+        assert new.data_ptr() != ptr  # a copy, not the same storage
+    offload_to_host([model, ref], [optimizer], "meta")
+    assert all(t.is_meta for t in tensors()) and all(q is p for q, p in zip(model.parameters(), params))
+    assert all(st["step"].device.type == "cpu" for st in optimizer.state.values())  # AdamW keeps its count here
 
 
 def launch_machines(args: list[str], logs: Path, machines: int = 2) -> list[subprocess.Popen]:

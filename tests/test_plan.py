@@ -95,6 +95,30 @@ def test_ppo_with_offload_moves_state_to_host_and_adds_a_critic(tmp_path):
     assert plan["gpu"]["critic_working_set"] < plan["policy_working_set"]
 
 
+def test_phase_offload_keeps_the_state_on_the_gpu_for_the_update_and_on_the_host_for_the_rollout(tmp_path):
+    """train.cpu_offload phase (issue 53, finding 3): the training peak counts the state as no
+    offload does, the rollout peak does not (it is on the host then), and the host holds what
+    micro_batch puts there. true, as older configs say, is micro_batch; anything else is refused
+    naming the key."""
+    args = ("train.algo=ppo", "hardware.vllm_memory_fraction=0.6", "rollout.sleep_mode=true")
+    none, phase, micro = (memory_plan(qwen7b(tmp_path, *args, f"train.cpu_offload={m}"))
+                          for m in ("false", "phase", "micro_batch"))  # fmt: skip
+    critic = P7 - V * H + H + 1
+    state = (P7 * (2 + 2 + 12 + 2) + critic * 16) / 8 / GB  # policy, AdamW, reference, critic
+    assert phase["train_total"] == pytest.approx(none["train_total"])
+    assert phase["train_total"] == pytest.approx(micro["train_total"] + state)
+    assert phase["rollout_total"] == pytest.approx(micro["rollout_total"])
+    assert none["rollout_total"] == pytest.approx(phase["rollout_total"] + state)
+    assert phase["host_per_gpu"] == pytest.approx(micro["host_per_gpu"]) == pytest.approx(state)
+    assert none["host_per_gpu"] == 0.0
+    assert phase["gpu"]["critic_state"] == phase["host"]["critic_state"] == pytest.approx(critic * 16 / 8 / GB)
+    assert not none["rollout_fits"] and phase["fits"]  # vLLM's 48 GB beside 31 GB of state: over 80
+    assert any("--set train.cpu_offload=phase" in line and ": fits" in line for line in none["advice"])
+    assert load_config(None, ["train.cpu_offload=true"]).train.cpu_offload == "micro_batch"
+    with pytest.raises(ConfigError, match="'train.cpu_offload' must be false, phase or micro_batch"):
+        load_config(None, ["train.cpu_offload=sometimes"])
+
+
 def test_grad_checkpointing_lowers_activations(tmp_path):
     on = memory_plan(qwen7b(tmp_path))
     off = memory_plan(qwen7b(tmp_path, "train.grad_checkpointing=false"))

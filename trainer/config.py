@@ -359,7 +359,10 @@ class TrainConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: list = field(default_factory=list)  # empty: q/k/v/o/gate/up/down_proj
-    cpu_offload: bool = False  # FSDP: parameters and optimizer state live in CPU memory
+    # FSDP's state in host memory: false (none), phase (moved to the host for each rollout and back
+    # for the update, verl's way) or micro_batch (FSDP2's CPUOffloadPolicy: AdamW on the CPU, fp32
+    # shards uploaded at every all-gather); true, as older configs say, is micro_batch. docs/box.md
+    cpu_offload: bool | str = False
     keep_checkpoints: int = 2  # only the latest N checkpoints are kept
     threads: int = 2  # torch CPU threads for the trainer
     # Seconds a process waits in a collective (gather, barrier, reduce) for the others before the
@@ -428,6 +431,13 @@ def _set(obj: object, dotted: str, value: object, prefix: str = "") -> None:
 def _coerce(value: object, kind: type, key: str) -> object:
     """YAML gives ints where floats are meant (lr: 1) and strings from --set; accept both.
     A bool is an int to Python (isinstance(True, int)), but `steps: true` is a mistake, not 1."""
+    if key == "train.cpu_offload":  # false | phase | micro_batch (true: micro_batch, what it meant before)
+        if value is False or value in ("phase", "micro_batch"):
+            return value
+        if value is True:
+            return "micro_batch"
+        raise ConfigError(f"config key '{key}' must be false, phase or micro_batch (true: micro_batch); "
+                          f"got {shown(value)}")
     if kind == bool | str:  # true | false | auto (trainer/precision.py)
         if isinstance(value, bool) or value == "auto":
             return value

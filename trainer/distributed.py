@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from trainer import faults
 from trainer.config import Config, RunDirError
@@ -185,12 +186,13 @@ def _fsdp_kwargs(cfg: Config, reshard_after_forward: bool) -> dict:
                               reduce_dtype=torch.float64 if cfg.train.exact_grad_sum else torch.float32)  # fmt: skip
     # Pinned host memory makes the copies to the GPU asynchronous; it needs a GPU, and without
     # one pinning fails ("Cannot access accelerator device when none is available").
-    # CPUOffloadPolicy is per micro-batch (an upload of the fp32 shards at each all-gather, the
-    # gradients copied back and summed on the CPU, AdamW on the CPU), not verl's once per phase,
-    # which is not implemented. The paper configs keep it: --plan shows PPO 7B's state beside
-    # vLLM's share during the rollout does not fit without it (docs/box.md, "Memory on the box");
-    # its cost on a GPU is benchmarks/gpu_checks.py --box's offload line, not measurable here.
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.train.cpu_offload else OffloadPolicy()
+    # train.cpu_offload micro_batch is FSDP2's CPUOffloadPolicy: an upload of the fp32 shards at each
+    # all-gather, the gradients copied back and summed on the CPU, AdamW on the CPU. phase (verl's
+    # way) keeps FSDP's shards on the GPU while they are used and moves the whole state between
+    # phases instead (offload_to_host / load_to_device, called by train.py); false keeps it there.
+    # Which the paper configs use, and why: docs/box.md, "Memory on the box".
+    per_micro_batch = cfg.train.cpu_offload == "micro_batch"
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if per_micro_batch else OffloadPolicy()
     return {"mp_policy": mp, "offload_policy": offload,
             "reshard_after_forward": reshard_after_forward}  # fmt: skip
 
@@ -237,6 +239,65 @@ def shard_critic(critic, cfg: Config):
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=kwargs["mp_policy"].reduce_dtype)
     fully_shard(critic.head, **(kwargs | {"mp_policy": fp32}))
     return _shard_layers(critic, kwargs)
+
+
+def phase_offload(cfg: Config, world: int) -> bool:
+    """Whether train.py moves the training state between host and GPU at the phase boundaries:
+    train.cpu_offload phase under FSDP (one process runs without FSDP and offloads nothing, as
+    trainer/plan.py counts it)."""
+    return cfg.train.cpu_offload == "phase" and cfg.train.fsdp and world > 1
+
+
+def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """A copy of t on `device` (always a copy, also from the host to the host: the suite, with no
+    GPU, then still sees whether FSDP and the optimizer follow the new storage). A DTensor (an
+    FSDP shard, AdamW's moments of one) is rebuilt around its moved local shard: DTensor has no
+    pin_memory of its own."""
+    if hasattr(t, "to_local"):
+        local = _moved(t.to_local(), device, pin)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())  # fmt: skip
+    if pin:  # GPU -> pinned host in one copy, so the way back can be asynchronous
+        return torch.empty_like(t, device="cpu", pin_memory=True).copy_(t)
+    return t.to(device, copy=True, non_blocking=t.is_pinned())
+
+
+@torch.no_grad()
+def move_state(models: list, optimizers: list, device: torch.device | str) -> None:
+    """Every parameter, gradient and buffer of `models` and every tensor of `optimizers`' state
+    (AdamW's moments, 8-bit AdamW's blocks) onto `device`, in place: the Parameter objects stay
+    the same (swapped, not replaced), so the optimizers' groups and state keys stay valid. The
+    0-dimensional step counters stay where AdamW keeps them (the host, unless capturable). Moving
+    to the host of a process with a GPU pins the copies and then returns the GPU's cached blocks
+    (vLLM's wake-up maps its pool beside torch's cache). None entries are skipped."""
+    device = torch.device(device)
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # plain tensors too (DTensors always swap)
+    try:
+        for model in filter(None, models):
+            model._apply(lambda t: _moved(t, device, pin))  # what module.to() runs, with our copy
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    for optimizer in filter(None, optimizers):
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state[key] = _moved(value, device, pin)
+    if pin:
+        torch.cuda.empty_cache()
+
+
+def offload_to_host(models: list, optimizers: list, host: torch.device | str = "cpu") -> None:
+    """train.cpu_offload phase, before a rollout: the training state to host memory (verl's
+    offload_fsdp_model_to_cpu and offload_fsdp_optimizer), so vLLM's share has the GPU."""
+    move_state(models, optimizers, host)
+
+
+def load_to_device(models: list, optimizers: list, device: torch.device | str) -> None:
+    """train.cpu_offload phase, after the rollout (vLLM asleep): the training state back onto the
+    GPU for the update and the sync (verl's load_fsdp_model_to_gpu and load_fsdp_optimizer)."""
+    move_state(models, optimizers, device)
 
 
 def compute_device(model) -> torch.device:
@@ -345,7 +406,9 @@ def load_from_rank0(model, path: Path, rank: int, world: int, cfg: Config, chunk
     if not files:
         raise FileNotFoundError(f"no weights in {path} (expected model.safetensors)")
     buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
-    on_host = cfg.train.cpu_offload or not torch.cuda.is_available()
+    # phase loads onto the GPU like no offload (one model's shards at a time beside vLLM's share);
+    # train.py moves the state to the host before the first rollout
+    on_host = cfg.train.cpu_offload == "micro_batch" or not torch.cuda.is_available()
     model.to_empty(device="cpu" if on_host else torch.device("cuda", torch.cuda.current_device()))
     for module, name, b in buffers:  # to_empty emptied them too
         module._buffers[name] = b

@@ -311,7 +311,10 @@ class VLLMEngine:
             self.llm.sleep(level=2)
             self.asleep = True
 
-    def load_weights(self, named_tensors) -> None:
+    def load_weights(self, named_tensors, before_kv_cache=None) -> None:
+        """The trainer's weights into the engine; `before_kv_cache()` runs once they are in and
+        before an asleep engine's KV cache returns (train.cpu_offload phase moves the training
+        state to the host there: both together would not fit)."""
         if self.asleep:  # the weights first: the KV cache is not needed to load them
             # the update's freed blocks go back to the driver first, or vLLM's own allocator cannot
             # map its pool again beside torch's cache (TRL and verl empty it before each wake).
@@ -328,6 +331,8 @@ class VLLMEngine:
             # set_current_vllm_config, as a direct call did not (CPUWorker inherits it)
             weights = ((name, t.detach()) for name, t in named_tensors)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if before_kv_cache is not None:
+            before_kv_cache()
         if self.asleep:
             torch.cuda.empty_cache()  # the gathered full tensors of the sync, before the KV cache returns
             self.llm.wake_up(tags=["kv_cache"])
@@ -453,8 +458,10 @@ class HFEngine:
     def close(self) -> None:
         pass
 
-    def load_weights(self, named_tensors) -> None:
+    def load_weights(self, named_tensors, before_kv_cache=None) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=False)
+        if before_kv_cache is not None:  # as the vLLM engine's (no KV cache here)
+            before_kv_cache()
 
     @torch.no_grad()
     def score(self, ids: list[int]) -> list[float]:

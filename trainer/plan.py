@@ -18,7 +18,8 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
   optimizer  = P * o / S            AdamW: o = 4 + 4 (m, v fp32) + 4 (fp32 master copy if b = 2)
                                     adamw8bit: o = 1 + 1 (m, v) + 2*4/256 (block-wise absmax) + master
              weights + gradients + AdamW = 16 B per parameter whether b is 2 or 4 (fp32 weights
-             need no master copy). train.cpu_offload: these three live in host RAM (reported).
+             need no master copy). train.cpu_offload micro_batch: these three live in host RAM
+             (reported); phase: on the GPU during the update, in host RAM during the rollout
   reference  = P * b / S            only when train.kl_coef > 0; offloaded with the rest
   critic     = P - (V*h if untied else 0) + h + 1 parameters (the backbone without lm_head, a
                value head), weights + gradients + AdamW like the policy (train.algo ppo)
@@ -63,7 +64,9 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
   fits when the peak <= (1 - hardware.vllm_memory_fraction) * hardware.gpu_memory_gb, or with
   rollout.sleep_mode (level 2: vLLM frees weights and KV cache) <= gpu_memory_gb - 2 GB (what vLLM
   asleep keeps: our allowance); then also the rollout peak, vllm_memory_fraction * gpu_memory_gb
-  + the resident rows (none under cpu_offload but the retriever and the 2 GB), <= gpu_memory_gb.
+  + the resident rows (under cpu_offload phase or micro_batch none but the retriever and the 2 GB),
+  <= gpu_memory_gb. cpu_offload phase: the training peak counts the state on the GPU (as false),
+  the rollout peak does not (it is on the host then); its host rows are what the rollout holds there.
   Host RAM of vLLM asleep at level 2: 0 (level 1 kept P * b / R there)
 
   vLLM (colocated: one engine per GPU, or per group of R = rollout.tensor_parallel_size GPUs,
@@ -75,17 +78,19 @@ width i, vocab V, N = hardware.gpus, S = N under train.fsdp else 1, T = train.mi
   than fit means vLLM runs it in waves.
 
 Worked example: configs/search_r1_ppo_qwen2.5-7b-base.yaml, Qwen2.5-7B (h 3584, L 28, 28 heads,
-4 kv heads, head_dim 128, i 18944, V 152064, untied) on 8 x 80 GB, bf16, FSDP, CPU offload,
-checkpointing, AdamW, T = 8192, vLLM share 0.6:
+4 kv heads, head_dim 128, i 18944, V 152064, untied) on 8 x 80 GB, bf16, FSDP, CPU offload per
+phase, checkpointing, AdamW, T = 8192, vLLM share 0.6:
   P = 2*152064*3584 + 28*233,057,792 + 3584 = 7,615,616,512
-  host RAM per GPU: weights, gradients 7.616e9*2/8 = 1.90 GB each, optimizer 7.616e9*12/8 = 11.42,
-             reference 1.90, critic 7.071e9*16/8 = 14.14: 31.3 GB (250 GB for the box, 314.8 with the index)
+  state per GPU (host RAM in the rollout, the GPU in the update): weights, gradients
+             7.616e9*2/8 = 1.90 GB each, optimizer 7.616e9*12/8 = 11.42, reference 1.90, critic
+             7.071e9*16/8 = 14.14: 31.3 GB (250 GB of host RAM for the box, 314.8 with the index)
   gathered   (2*1.090e9 + 3*2.331e8) * 2 = 5.76 GB
   activations 8192*28*2*3584 + 8192*196,608 = 1.64 + 1.61 = 3.25 GB (45.1 GB without checkpointing)
   logits     8192*152064*2*2 + 2*256*152064*4 = 4.98 + 0.31 = 5.29 GB
   retriever  served on this box: 21,015,324*768*4/8 + 1.61 + 0.5 + 1.095e8*2 = 8.07 + 2.11 + 0.22 = 10.40 GB
-  peak       2 + 10.40 + (5.76 + 3.25 + 5.29) = 26.71 GB of 80 - 2 = 78 (sleep mode): fits;
-             rollout 0.6*80 + 10.40 + 2 = 60.40 of 80: fits
+  peak       2 + 10.40 + 31.28 + (5.76 + 3.25 + 5.29) = 57.98 GB of 80 - 2 = 78 (sleep mode): fits;
+             rollout 0.6*80 + 10.40 + 2 = 60.40 of 80 (the state on the host): fits; with no
+             offload 91.68 does not, with micro_batch the update is 26.71
   vLLM       weights 15.23 GB, KV cache 48 - 15.23 = 32.77 GB at 57,344 B per token = 571,441
              tokens; PPO's batch needs 512*1*4096/8 = 262,144 per GPU (GRPO's, 5 per question,
              1,310,720: ~2.3 waves if every trajectory ran to 4096 tokens)
@@ -261,12 +266,15 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
 
     # cpu_offload is FSDP's: one process (one GPU) runs without FSDP (train.py shards only when
     # world > 1), so nothing is offloaded there, whatever the config says
-    offloaded = t.cpu_offload and t.fsdp and hw.gpus > 1
+    mode = t.cpu_offload if t.fsdp and hw.gpus > 1 else False
 
     def add(key: str, label: str, nbytes: float, how: str, resident: bool = False) -> None:
-        """Resident state moves to host RAM under cpu_offload; working sets stay on the GPU."""
-        on_host = resident and offloaded
-        gpu[key], host[key] = (0.0, nbytes / GB) if on_host else (nbytes / GB, 0.0)
+        """Resident state moves to host RAM under cpu_offload micro_batch, and between phases
+        under phase (on the GPU for the update, on the host for the rollout); working sets stay."""
+        gpu[key], host[key] = nbytes / GB, 0.0
+        if resident and mode:
+            host[key] = nbytes / GB
+            gpu[key] = 0.0 if mode == "micro_batch" else gpu[key]
         rows.append((label, gpu[key], host[key] if resident else None, how))
 
     ret = add_resident(add, cfg, n, n_critic, b)  # resident through the whole step
@@ -306,8 +314,9 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     sleep = cfg.rollout.sleep_mode
     budget = hw.gpu_memory_gb - VLLM_ASLEEP_GB if sleep else (1 - hw.vllm_memory_fraction) * hw.gpu_memory_gb
     # during the rollout vLLM's share sits beside what the trainer keeps on the GPU (its resident
-    # state: none under cpu_offload), the served retriever and the allowance
-    rollout_total = hw.vllm_memory_fraction * hw.gpu_memory_gb + resident
+    # state: none under cpu_offload, phase or micro_batch), the served retriever and the allowance
+    on_host_in_rollout = sum(host.values()) if mode == "phase" else 0.0
+    rollout_total = hw.vllm_memory_fraction * hw.gpu_memory_gb + resident - on_host_in_rollout
     host["vllm_asleep"] = 0.0  # level 2 drops the weights (the sync rewrites them); level 1 kept P*b/R here
     if sleep:
         level1 = n * b / cfg.rollout.tensor_parallel_size / GB
@@ -327,6 +336,7 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
         "train_budget": budget,
         "train_fits": total <= budget,
         "sleep": sleep,
+        "offload": mode,
         "rollout_total": rollout_total,
         "rollout_fits": rollout_total <= hw.gpu_memory_gb,
         "vllm_fits": vllm["kv_cache"] > 0,
@@ -392,7 +402,7 @@ def advice(cfg: Config, plan: dict) -> list[str]:
     if not plan["train_fits"]:
         chain, trial = [], copy.deepcopy(cfg)
         for key, value in [("exact_grad_sum", False), ("grad_checkpointing", True), ("fsdp", True),
-                           ("optimizer", "adamw8bit"), ("cpu_offload", True)]:  # fmt: skip
+                           ("optimizer", "adamw8bit"), ("cpu_offload", "micro_batch")]:  # fmt: skip
             if getattr(trial.train, key) == value or (key in ("fsdp", "cpu_offload") and cfg.hardware.gpus == 1):
                 continue
             setattr(trial.train, key, value)
@@ -409,6 +419,13 @@ def advice(cfg: Config, plan: dict) -> list[str]:
         if room / per_token >= 1:
             out.append(f"--set train.micro_batch_tokens={int(room / per_token)} alone (activations and logits "
                        "scale with it)")  # fmt: skip
+    if plan["train_fits"] and not plan["rollout_fits"] and not plan["offload"] and cfg.hardware.gpus > 1 and t.fsdp:
+        trial = copy.deepcopy(cfg)
+        trial.train.cpu_offload = "phase"
+        p = memory_plan(trial, with_advice=False)
+        verdict = "fits" if p["rollout_fits"] else "still does not fit"
+        out.append(f"--set train.cpu_offload=phase (rollout {p['rollout_total']:.1f} GB, the state on the host): "
+                   f"{verdict}")  # fmt: skip
     if not plan["vllm_fits"]:
         out.append("raise hardware.vllm_memory_fraction (and rollout.gpu_memory_utilization): the vLLM weights "
                    "alone exceed its share")  # fmt: skip
@@ -429,7 +446,8 @@ def format_plan(cfg: Config, plan: dict) -> str:
         f"{8 * b}-bit params",
         f"{16 if t.bf16 else 8 * b}-bit activations",
         f"fsdp over {hw.gpus}" if t.fsdp else "no fsdp",
-        ("cpu offload" if hw.gpus > 1 and t.fsdp else "cpu offload off (one process: no FSDP, nothing to offload)")
+        (f"cpu offload per {t.cpu_offload.replace('_', '-')}" if hw.gpus > 1 and t.fsdp
+         else "cpu offload off (one process: no FSDP, nothing to offload)")
         if t.cpu_offload
         else "no offload",
         "grad checkpointing" if t.grad_checkpointing else "no checkpointing",
@@ -464,7 +482,8 @@ def format_plan(cfg: Config, plan: dict) -> str:
     row("training peak", plan["train_total"], plan["host_per_gpu"], how)
     verdict = "fits" if plan["rollout_fits"] else "does not fit"
     vllm_share = f"vLLM {hw.vllm_memory_fraction:g} x {hw.gpu_memory_gb:g}"
-    how = f"{vllm_share} + the resident rows, of {hw.gpu_memory_gb:g}: {verdict}"
+    resident = "the resident rows" + (" on the GPU (the state is on the host)" if plan["offload"] == "phase" else "")
+    how = f"{vllm_share} + {resident}, of {hw.gpu_memory_gb:g}: {verdict}"
     row("rollout peak", plan["rollout_total"], None, how)
     ret = plan["retriever"]
     index = " + the retriever index once" if ret["index_bytes"] else ""
