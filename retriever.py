@@ -123,6 +123,13 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def positive(flag: str, value: int) -> None:
+    """A count flag below 1 is one line, before the index loads (`-k 0` was faiss's AssertionError,
+    `--max-tokens -5` printed "-5 of 9 tokens")."""
+    if value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+
+
 def run(args: argparse.Namespace) -> None:
     """One subcommand, its result printed."""
     if args.cmd == "build":
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace) -> None:
         link = json.loads((out / "meta.json").read_text())["dense"]["link"]
         print(f"imported {args.faiss_index} into {out} ({link}, not copied)")
     elif args.cmd == "search":
+        positive("-k", args.k)
         index = load_index(args.index, args.corpus, args.search_params)
         if args.web:
             for q in args.query:
@@ -152,6 +160,7 @@ def run(args: argparse.Namespace) -> None:
             for q, hits in zip(args.query, search(index, args.query, args.k)):
                 print(f"## {q}\n{format_hits(hits)}\n")
     elif args.cmd == "read":
+        positive("--max-tokens", args.max_tokens)
         doc = read(load_index(args.index), args.key, args.max_tokens)
         print(json.dumps(doc, indent=1, ensure_ascii=False))
     else:

@@ -52,7 +52,10 @@ from search.dense import (
     Encoder,
     build_dense,
     check_encoder,
+    check_factory,
     encode,
+    encoder_width,
+    faiss_said,
     load_encoder,
     load_faiss,
     resolve_encoder,
@@ -62,7 +65,7 @@ from search.dense import (
 from search.dense import default_encoder_path as default_encoder_path
 from search.dense import import_index as import_index
 from search.files import corrupt, load_npy, read_json, save_npy, write_json
-from search.integrity import CorpusGuard, scan_with_digest
+from search.integrity import CorpusGuard, IndexFileGuard, IndexGuard, index_file_digests, scan_with_digest
 from trainer.config import ConfigError, DataError
 from trainer.fsync import fsync_path, fsync_tree
 
@@ -242,7 +245,7 @@ class Index:
     threads: int = 0
     bm25_matrix: object | None = None  # scipy CSR view (vocab x docs) of bm25s's score arrays
     rows_by_key: dict[str, int] | None = None  # id / url -> row, built on the first read()
-    guard: CorpusGuard | None = None  # is the corpus file still the indexed one (integrity.py)
+    guard: IndexGuard | None = None  # are the corpus and the index's files still the indexed ones (integrity.py)
 
 
 def build_index(
@@ -266,8 +269,12 @@ def build_index(
     if method not in METHODS:
         raise ConfigError(f"unknown retrieval method {method!r}; choose one of {METHODS}")
     out = Path(out)
-    if method != "bm25":  # before the corpus scan: a missing family fails at once
+    for name, value in (("batch_size", batch_size), ("chunk", chunk)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if method != "bm25":  # before the corpus scan: a missing family or a bad factory fails at once
         model, family = resolve_encoder(model, family)
+        check_factory(index_factory, model)
     corpus, digest = scan_with_digest(corpus_path)
     meta = {
         "method": method,
@@ -292,17 +299,26 @@ def build_index(
     fault = index_fault(out, meta)
     if fault:
         raise DataError(f"index {out} does not read back after its build: {fault}")
-    write_json(out / "meta.json", meta | {"complete": True})
+    write_json(out / "meta.json", meta | {"files": index_file_digests(out, served_files(meta)), "complete": True})
     if not keep_embeddings:  # only once the index is complete: until then a killed build resumes from them
         for name in ("embeddings.f32", "embed_state.json"):
             (out / name).unlink(missing_ok=True)
     return out
 
 
+OWN_NAMES = ("faiss.index", "spans.npy", "bm25", "embeddings.f32", "embed_state.json")  # what a build writes
+
+
 def check_earlier_build(out: Path, meta: dict) -> None:
-    """Refuse to build over a finished index that reads back, or over a build of another index;
-    say so when a finished one does not read back (it is built again, like a partial one)."""
+    """Refuse to build over a finished index that reads back, over a build of another index, or
+    into a directory without meta.json that holds a file of a name a build writes (a build writes
+    meta.json first, so that file is not a build's: perhaps the user's own faiss.index); say so when
+    a finished one does not read back (it is built again, like a partial one)."""
     if not (out / "meta.json").exists():
+        theirs = [name for name in OWN_NAMES if (out / name).exists() or (out / name).is_symlink()]
+        if theirs:
+            raise ConfigError(f"{out} holds {', '.join(theirs)} but no meta.json: not a build this one can resume, "
+                              "and a build would replace them; move them away or build into another directory")
         return
     try:
         done = read_json(out / "meta.json")
@@ -322,6 +338,16 @@ def check_earlier_build(out: Path, meta: dict) -> None:
         print(f"{out} is marked finished but does not read back ({fault}); building it again", flush=True)
 
 
+def served_files(meta: dict) -> list[str]:
+    """The files of an index directory a loaded index reads from (meta.json's "files" digests)."""
+    names = ["spans.npy"]
+    if meta["method"] in ("bm25", "hybrid"):
+        names += [f"bm25/{name}" for name in BM25_FILES]
+    if meta["method"] in ("dense", "hybrid"):
+        names.append("faiss.index")
+    return names
+
+
 def index_fault(out: Path, meta: dict) -> str | None:
     """Why the files of an index directory do not read back as `meta`'s index (load_index's
     loaders, each checked against n_docs), or None."""
@@ -331,7 +357,7 @@ def index_fault(out: Path, meta: dict) -> str | None:
         if meta["method"] in ("bm25", "hybrid"):
             load_bm25(out / "bm25", n)
         if meta["method"] in ("dense", "hybrid"):
-            load_faiss(out / "faiss.index", n)
+            load_faiss(out / "faiss.index", n, meta["dense"].get("metric", "inner product"))
     except DataError as e:
         return str(e)
     return None
@@ -383,6 +409,7 @@ def load_index(
     meta = read_json(meta_path)
     if not meta.get("complete"):
         raise DataError(f"index {index_dir} is a partial build; run the same build command again to resume")
+    check_meta(meta, meta_path)
     if encoder is not None:
         check_encoder(meta, *encoder, index_dir)
     path = Path(corpus_path or meta["corpus"])
@@ -390,8 +417,12 @@ def load_index(
         raise FileNotFoundError(f"corpus file not found: {path} (index {index_dir}; pass --corpus if it moved)")
     corpus = Corpus(path, load_npy(index_dir / "spans.npy", shape=(meta["n_docs"], 2), dtype=np.int64))
     check_corpus(corpus, meta, index_dir)
-    guard = CorpusGuard(path, meta.get("corpus_digest"), index_dir)
-    guard.check()  # the sampled blocks, and the whole file up to integrity.FULL_HASH_BYTES
+    corpus_guard = CorpusGuard(path, meta.get("corpus_digest"), index_dir)
+    corpus_guard.check()  # the sampled blocks, and the whole file up to integrity.FULL_HASH_BYTES
+    since = "imported" if meta.get("dense", {}).get("imported_from") else "built"
+    files = meta.get("files", {})  # an index from before file digests: its files watched from this load
+    guard = IndexGuard(corpus_guard, [IndexFileGuard(index_dir / name, files.get(name), index_dir, since)
+                                      for name in served_files(meta)])  # fmt: skip
     index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1), guard=guard)
     if meta["method"] in ("bm25", "hybrid"):
         backend = "numba" if bm25_backend == "numba" else "numpy"
@@ -403,18 +434,77 @@ def load_index(
             vocab = len(sc["indptr"]) - 1
             index.bm25_matrix = sp.csr_matrix((sc["data"], sc["indices"], sc["indptr"]), shape=(vocab, sc["num_docs"]))
     if meta["method"] in ("dense", "hybrid"):
-        import faiss
         import torch
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         use_all_cores()
-        index.faiss = load_faiss(index_dir / "faiss.index", meta["n_docs"])
-        if search_params:  # e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
-            faiss.ParameterSpace().set_index_parameters(index.faiss, search_params)
+        metric = meta["dense"].get("metric", "inner product")
+        index.faiss = load_faiss(index_dir / "faiss.index", meta["n_docs"], metric)
+        set_search_params(index.faiss, search_params)
         if faiss_on_gpus and device.startswith("cuda"):
             index.faiss = to_gpus(index.faiss)
         index.encoder = load_encoder(meta["dense"]["model"], meta["dense"]["family"], device)
+        if index.faiss.d != encoder_width(index.encoder):
+            raise corrupt(index_dir / "faiss.index", f"{index.faiss.d}-dimensional vectors; encoder "
+                          f"{meta['dense']['model']} embeds {encoder_width(index.encoder)}")  # fmt: skip
+    guard.check()  # the index's own files against their digests (after the loaders: a cut file is "corrupt")
     return index
+
+
+def set_search_params(faiss_index, search_params: str) -> None:
+    """faiss's search parameters (retriever.search_params, --search-params), e.g. "efSearch=128"
+    (HNSW) or "nprobe=32" (IVF); one the index has not is one line, not faiss's traceback."""
+    import faiss
+
+    if not search_params:
+        return
+    try:
+        faiss.ParameterSpace().set_index_parameters(faiss_index, search_params)
+    except RuntimeError as e:
+        raise ConfigError(f"search parameters {search_params!r} (retriever.search_params, --search-params) do not "
+                          f"apply to this {type(faiss_index).__name__} index: {faiss_said(e)}") from None
+
+
+DIGEST_KEYS = ("bytes", "mtime_ns", "ctime_ns", "inode", "device", "block_bytes", "blocks")
+
+
+def check_meta(meta: dict, path: Path) -> None:
+    """meta.json's fields, each of the type and range load_index reads it as: a hand-edited or
+    foreign meta.json is one line naming the key (files.corrupt), not a KeyError in a loader."""
+
+    def need(ok: bool, key: str, want: str, value) -> None:
+        if not ok:
+            raise corrupt(path, f"{key!r} must be {want}, got {value!r}"[:200])
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    def digest(key: str, d) -> None:
+        need(isinstance(d, dict) and all(count(d.get(k)) for k in DIGEST_KEYS)
+             and isinstance(d.get("sampled_blake2b"), str) and isinstance(d.get("blake2b", ""), str),
+             key, f"a digest ({', '.join(DIGEST_KEYS)}, sampled_blake2b)", d)  # fmt: skip
+
+    need(meta.get("method") in METHODS, "method", f"one of {METHODS}", meta.get("method"))
+    n = meta.get("n_docs")
+    need(count(n) and n > 0, "n_docs", "a positive integer", n)
+    need(isinstance(meta.get("corpus"), str) and meta["corpus"] != "", "corpus", "a path", meta.get("corpus"))
+    need(count(meta.get("corpus_bytes")), "corpus_bytes", "a byte count", meta.get("corpus_bytes"))
+    checks = meta.get("id_checks")
+    need(isinstance(checks, list) and all(isinstance(c, list) and len(c) == 2 and count(c[0]) and c[0] < n
+                                          and isinstance(c[1], str) for c in checks),
+         "id_checks", "a list of [row below n_docs, id]", checks)  # fmt: skip
+    if "corpus_digest" in meta:
+        digest("corpus_digest", meta["corpus_digest"])
+    files = meta.get("files", {})
+    need(isinstance(files, dict), "files", "an object of digests", files)
+    for name, d in files.items():
+        digest(f"files.{name}", d)
+    if meta["method"] != "bm25":
+        dense = meta.get("dense")
+        need(isinstance(dense, dict) and isinstance(dense.get("model"), str), "dense.model", "a path",
+             dense.get("model") if isinstance(dense, dict) else dense)  # fmt: skip
+        need(dense.get("family") in ENCODER_FAMILIES, "dense.family", f"one of {list(ENCODER_FAMILIES)}",
+             dense.get("family"))  # fmt: skip
 
 
 def ensure_index(
@@ -452,6 +542,8 @@ def rrf(lists: list[list[tuple[int, float]]], k: int) -> list[tuple[int, float]]
 
 def search_rows(index: Index, queries: list[str], k: int, method: str = "") -> list[list[tuple[int, float]]]:
     """(row, score) per query with the index's method (or `method`, if the index has it)."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"k (passages per query) must be a positive integer, got {k!r}")
     if index.guard is not None:  # a stat; the corpus's hashes only once the stat changes
         index.guard.check()
     method = method or index.meta["method"]
