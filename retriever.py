@@ -16,7 +16,7 @@ source, WebFilter §3 search operators. The code lives in `search/`:
   index.py   build, load (mmap) and search an index directory: BM25 (bm25s), dense, hybrid (RRF)
   dense.py   the encoder (E5 / MiniLM / BGE) and faiss files; import of a faiss index built elsewhere
   corpus.py  the corpus as byte spans; integrity.py its digest (checked at load and while served)
-  files.py   index files written whole (fsync, rename) and read back checked
+  files.py   index files written whole (fsync, rename) and read back checked; meta.py meta.json's fields
   web.py     web-style search with operators (site:, before:, "phrase", -term, AND/OR/NOT), READ
   server.py  the HTTP server with request limits and batching; client.py the client with a timeout
   tools.py   what a rollout calls: the in-process index or the server, chosen by `retriever.*`

@@ -290,11 +290,14 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
 
     Search-R1's e5_Flat.index (its index_builder.py: one vector per corpus line, added in line
     order, `faiss.write_index` of the index alone) is the case in mind. Checked first: the file is a
-    faiss index, it holds one vector per passage and its width is the encoder's (a one-line error
-    naming the file otherwise). The file is linked, never copied (65 GB for wiki-18 in E5): a hard
-    link on the same filesystem, else a symlink to its resolved path; meta.json says which, and
-    meta.json is written last (whole, after spans.npy and the link read back), so a directory
-    without it holds no index. meta.json records the corpus's digest (integrity.py)."""
+    faiss index, it holds one vector per passage, its width is the encoder's, it scores by inner
+    product and the ids it returns are the corpus rows (a one-line error naming the file
+    otherwise). The file is linked, never copied (65 GB for wiki-18 in E5): a hard link on the same
+    filesystem, else a symlink to its resolved path, or the file itself when it already lies at
+    out/faiss.index (link_file: nothing there is removed); meta.json says which, and meta.json is
+    written last (whole, after spans.npy and the link read back), so a directory without it holds
+    no index. meta.json records the corpus's digest and its own files' (integrity.py): the
+    user's file, rewritten in place or cut short later, is refused at load and while served."""
     import faiss
 
     model, family = resolve_encoder(model, family)
@@ -346,6 +349,8 @@ def stored_ids(index) -> np.ndarray | None:
     inverted lists, through a PreTransform), or None where a hit's id is its vector's position."""
     import faiss
 
+    while isinstance(index, (faiss.IndexPreTransform, faiss.IndexRefine)):  # the ids are the inner index's
+        index = faiss.downcast_index(index.index if isinstance(index, faiss.IndexPreTransform) else index.base_index)
     if hasattr(index, "id_map"):
         return faiss.vector_to_array(index.id_map)
     try:
@@ -427,6 +432,20 @@ def load_faiss(path: Path, n_docs: int, metric: str = "inner product"):
     if metric != metric_name(index.metric_type):
         raise corrupt(path, f"it scores by {metric_name(index.metric_type)}; meta.json says {metric}")
     return index
+
+
+def set_search_params(faiss_index, search_params: str) -> None:
+    """faiss's search parameters (retriever.search_params, --search-params), e.g. "efSearch=128"
+    (HNSW) or "nprobe=32" (IVF); one the index has not is one line, not faiss's traceback."""
+    import faiss
+
+    if not search_params:
+        return
+    try:
+        faiss.ParameterSpace().set_index_parameters(faiss_index, search_params)
+    except RuntimeError as e:
+        raise ConfigError(f"search parameters {search_params!r} (retriever.search_params, --search-params) do not "
+                          f"apply to this {type(faiss_index).__name__} index: {faiss_said(e)}") from None
 
 
 def check_encoder(meta: dict, model: str, family: str, index_dir: Path) -> None:

@@ -14,7 +14,8 @@ In Python:
 Design choices, each against a pitfall in docs/design.md §7:
   * The corpus is never loaded as a list (corpus.py); `load_index` refuses a corpus whose ids,
     size or digest (integrity.py) differ from the one the index was built on, and every search
-    first checks (a stat) that the file has not changed since.
+    first checks (a stat) that the file has not changed since; the index's own files likewise
+    (meta.json's "files" digests: a file rewritten in place or cut short is refused, not served).
   * Every file of an index is written whole (files.py: a temporary name, fsync, rename) and read
     back before meta.json says "complete"; a resumed build checks what an earlier one left (a
     0-byte or corrupt file is built again, never taken for done); a corrupt file at load is one
@@ -55,10 +56,10 @@ from search.dense import (
     check_factory,
     encode,
     encoder_width,
-    faiss_said,
     load_encoder,
     load_faiss,
     resolve_encoder,
+    set_search_params,
     to_gpus,
     use_all_cores,
 )
@@ -66,10 +67,10 @@ from search.dense import default_encoder_path as default_encoder_path
 from search.dense import import_index as import_index
 from search.files import corrupt, load_npy, read_json, save_npy, write_json
 from search.integrity import CorpusGuard, IndexFileGuard, IndexGuard, index_file_digests, scan_with_digest
+from search.meta import BM25_FILES, METHODS, check_meta, served_files
 from trainer.config import ConfigError, DataError
 from trainer.fsync import fsync_path, fsync_tree
 
-METHODS = ("bm25", "dense", "hybrid")
 BM25_BACKENDS = ("scipy", "numpy", "numba")
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack, Clarke & Buettcher 2009)
 
@@ -106,10 +107,6 @@ def import_bm25s():
     import bm25s
 
     return bm25s
-
-
-BM25_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "indices.csc.index.npy",
-              "indptr.csc.index.npy")  # fmt: skip  # what bm25s.BM25.save writes (lucene BM25)
 
 
 def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000) -> None:
@@ -168,8 +165,9 @@ def load_bm25(directory: Path, n_docs: int, backend: str = "numpy"):
     return model
 
 
-def bm25_done(directory: Path, n_docs: int) -> bool:
-    """Did an earlier run of this build leave a BM25 index that reads back? (Not merely a file.)"""
+def bm25_done(directory: Path, n_docs: int, digests: dict | None = None) -> bool:
+    """Did an earlier run of this build leave a BM25 index that reads back, and (`digests`: a finished
+    index's meta.json "files") is each of its files the one that build wrote? (Not merely a file.)"""
     if not directory.exists():
         return False
     try:
@@ -177,6 +175,12 @@ def bm25_done(directory: Path, n_docs: int) -> bool:
     except DataError as e:
         print(f"building {directory} again: {e}", flush=True)
         return False
+    for name in BM25_FILES:
+        want = (digests or {}).get(f"{directory.name}/{name}")
+        why = want and IndexFileGuard(directory / name, want, directory.parent).reason()
+        if why:
+            print(f"building {directory} again: {why}", flush=True)
+            return False
     return True
 
 
@@ -287,11 +291,11 @@ def build_index(
     }
     if method != "bm25":
         meta["dense"] = {"model": model, "family": family, "index_factory": index_factory}
-    check_earlier_build(out, meta)
+    earlier = check_earlier_build(out, meta)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "meta.json", meta)
     save_npy(out / "spans.npy", corpus.spans)
-    if method in ("bm25", "hybrid") and not bm25_done(out / "bm25", len(corpus)):
+    if method in ("bm25", "hybrid") and not bm25_done(out / "bm25", len(corpus), earlier):
         build_bm25(corpus, out)
     if method in ("dense", "hybrid"):
         enc = load_encoder(meta["dense"]["model"], meta["dense"]["family"], all_gpus=True)
@@ -309,17 +313,18 @@ def build_index(
 OWN_NAMES = ("faiss.index", "spans.npy", "bm25", "embeddings.f32", "embed_state.json")  # what a build writes
 
 
-def check_earlier_build(out: Path, meta: dict) -> None:
+def check_earlier_build(out: Path, meta: dict) -> dict:
     """Refuse to build over a finished index that reads back, over a build of another index, or
     into a directory without meta.json that holds a file of a name a build writes (a build writes
     meta.json first, so that file is not a build's: perhaps the user's own faiss.index); say so when
-    a finished one does not read back (it is built again, like a partial one)."""
+    a finished one does not read back (it is built again, like a partial one). Returns the file
+    digests a finished one recorded (a file that reads back but is not one of them is built again)."""
     if not (out / "meta.json").exists():
         theirs = [name for name in OWN_NAMES if (out / name).exists() or (out / name).is_symlink()]
         if theirs:
             raise ConfigError(f"{out} holds {', '.join(theirs)} but no meta.json: not a build this one can resume, "
                               "and a build would replace them; move them away or build into another directory")
-        return
+        return {}
     try:
         done = read_json(out / "meta.json")
     except DataError as e:  # not written by this code (its writes are whole): whose build is it?
@@ -336,16 +341,8 @@ def check_earlier_build(out: Path, meta: dict) -> None:
         raise ConfigError(f"{out} holds a partial build of a different index; remove it first")
     if finished:
         print(f"{out} is marked finished but does not read back ({fault}); building it again", flush=True)
-
-
-def served_files(meta: dict) -> list[str]:
-    """The files of an index directory a loaded index reads from (meta.json's "files" digests)."""
-    names = ["spans.npy"]
-    if meta["method"] in ("bm25", "hybrid"):
-        names += [f"bm25/{name}" for name in BM25_FILES]
-    if meta["method"] in ("dense", "hybrid"):
-        names.append("faiss.index")
-    return names
+    files = done.get("files") if finished else None
+    return files if isinstance(files, dict) else {}
 
 
 def index_fault(out: Path, meta: dict) -> str | None:
@@ -360,6 +357,10 @@ def index_fault(out: Path, meta: dict) -> str | None:
             load_faiss(out / "faiss.index", n, meta["dense"].get("metric", "inner product"))
     except DataError as e:
         return str(e)
+    for name, want in meta.get("files", {}).items():  # readable, but not the files the build wrote
+        why = IndexFileGuard(out / name, want, out).reason()
+        if why:
+            return why
     return None
 
 
@@ -449,62 +450,6 @@ def load_index(
                           f"{meta['dense']['model']} embeds {encoder_width(index.encoder)}")  # fmt: skip
     guard.check()  # the index's own files against their digests (after the loaders: a cut file is "corrupt")
     return index
-
-
-def set_search_params(faiss_index, search_params: str) -> None:
-    """faiss's search parameters (retriever.search_params, --search-params), e.g. "efSearch=128"
-    (HNSW) or "nprobe=32" (IVF); one the index has not is one line, not faiss's traceback."""
-    import faiss
-
-    if not search_params:
-        return
-    try:
-        faiss.ParameterSpace().set_index_parameters(faiss_index, search_params)
-    except RuntimeError as e:
-        raise ConfigError(f"search parameters {search_params!r} (retriever.search_params, --search-params) do not "
-                          f"apply to this {type(faiss_index).__name__} index: {faiss_said(e)}") from None
-
-
-DIGEST_KEYS = ("bytes", "mtime_ns", "ctime_ns", "inode", "device", "block_bytes", "blocks")
-
-
-def check_meta(meta: dict, path: Path) -> None:
-    """meta.json's fields, each of the type and range load_index reads it as: a hand-edited or
-    foreign meta.json is one line naming the key (files.corrupt), not a KeyError in a loader."""
-
-    def need(ok: bool, key: str, want: str, value) -> None:
-        if not ok:
-            raise corrupt(path, f"{key!r} must be {want}, got {value!r}"[:200])
-
-    def count(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    def digest(key: str, d) -> None:
-        need(isinstance(d, dict) and all(count(d.get(k)) for k in DIGEST_KEYS)
-             and isinstance(d.get("sampled_blake2b"), str) and isinstance(d.get("blake2b", ""), str),
-             key, f"a digest ({', '.join(DIGEST_KEYS)}, sampled_blake2b)", d)  # fmt: skip
-
-    need(meta.get("method") in METHODS, "method", f"one of {METHODS}", meta.get("method"))
-    n = meta.get("n_docs")
-    need(count(n) and n > 0, "n_docs", "a positive integer", n)
-    need(isinstance(meta.get("corpus"), str) and meta["corpus"] != "", "corpus", "a path", meta.get("corpus"))
-    need(count(meta.get("corpus_bytes")), "corpus_bytes", "a byte count", meta.get("corpus_bytes"))
-    checks = meta.get("id_checks")
-    need(isinstance(checks, list) and all(isinstance(c, list) and len(c) == 2 and count(c[0]) and c[0] < n
-                                          and isinstance(c[1], str) for c in checks),
-         "id_checks", "a list of [row below n_docs, id]", checks)  # fmt: skip
-    if "corpus_digest" in meta:
-        digest("corpus_digest", meta["corpus_digest"])
-    files = meta.get("files", {})
-    need(isinstance(files, dict), "files", "an object of digests", files)
-    for name, d in files.items():
-        digest(f"files.{name}", d)
-    if meta["method"] != "bm25":
-        dense = meta.get("dense")
-        need(isinstance(dense, dict) and isinstance(dense.get("model"), str), "dense.model", "a path",
-             dense.get("model") if isinstance(dense, dict) else dense)  # fmt: skip
-        need(dense.get("family") in ENCODER_FAMILIES, "dense.family", f"one of {list(ENCODER_FAMILIES)}",
-             dense.get("family"))  # fmt: skip
 
 
 def ensure_index(

@@ -224,3 +224,27 @@ def test_a_bad_factory_or_search_parameter_is_one_line_before_anything_slow(tmp_
                              "minilm")  # fmt: skip
     with pytest.raises(ConfigError, match=r"search parameters 'nprobe=8' .* do not apply to this IndexFlat"):
         load_index(index_dir, search_params="nprobe=8")
+
+
+def test_a_bm25_array_rewritten_under_a_loaded_index_is_refused_and_the_build_repairs_it(bm25_index, tmp_path):
+    """The class of finding 2 beyond faiss.index: bm25s's arrays are mmap'd too. Scores rewritten in
+    place (same size) changed the ranking silently; now the next search names the file, a load
+    refuses it, and the same build command builds the index again."""
+    import shutil
+
+    from search.integrity import CorpusChanged
+
+    copy = tmp_path / "bm25"
+    shutil.copytree(bm25_index, copy)
+    index = load_index(copy)
+    want = search(index, ["Person 3 born"], 3)
+    data = copy / "bm25" / "data.csc.index.npy"
+    array = np.load(data)
+    np.save(data, (array[::-1] * 3).astype(array.dtype))  # the same shape and size, other scores
+    with pytest.raises(CorpusChanged, match=f"index file {data} changed since index {copy} was built"):
+        search(index, ["Person 3 born"], 3)
+    with pytest.raises(DataError, match="restore it, or rebuild the index"):
+        load_index(copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    build_index(meta["corpus"], copy, "bm25")
+    assert search(load_index(copy), ["Person 3 born"], 3) == want
