@@ -487,7 +487,7 @@ def rrf(lists: list[list[tuple[int, float]]], k: int) -> list[tuple[int, float]]
 
 def search_rows(index: Index, queries: list[str], k: int, method: str = "") -> list[list[tuple[int, float]]]:
     """(row, score) per query with the index's method (or `method`, if the index has it)."""
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
         raise ConfigError(f"k (passages per query) must be a positive integer, got {k!r}")
     if index.guard is not None:  # a stat; the corpus's hashes only once the stat changes
         index.guard.check()

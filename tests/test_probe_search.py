@@ -220,6 +220,9 @@ def test_a_bad_factory_or_search_parameter_is_one_line_before_anything_slow(tmp_
     with pytest.raises(ConfigError, match=r"index factory 'IVF0,Nonsense' \(--index-factory\): faiss cannot build"):
         build_index(corpus, tmp_path / "dense", "dense", index_factory="IVF0,Nonsense")
     assert not (tmp_path / "dense").exists()  # refused before the corpus was embedded
+    for flag in ("chunk", "batch_size"):
+        with pytest.raises(ConfigError, match=f"{flag} must be a positive integer, got 0"):
+            build_index(corpus, tmp_path / "dense", "dense", **{flag: 0})
     index_dir = import_index(faiss_file(tmp_path / "flat.index"), corpus, tmp_path / "flat", default_encoder_path(),
                              "minilm")  # fmt: skip
     with pytest.raises(ConfigError, match=r"search parameters 'nprobe=8' .* do not apply to this IndexFlat"):
