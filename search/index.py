@@ -348,8 +348,9 @@ def check_earlier_build(out: Path, meta: dict) -> dict:
 def index_fault(out: Path, meta: dict) -> str | None:
     """Why the files of an index directory do not read back as `meta`'s index (load_index's
     loaders, each checked against n_docs), or None."""
-    n = meta["n_docs"]
     try:
+        check_meta(meta, out / "meta.json")
+        n = meta["n_docs"]
         load_npy(out / "spans.npy", shape=(n, 2), dtype=np.int64)
         if meta["method"] in ("bm25", "hybrid"):
             load_bm25(out / "bm25", n)
@@ -420,11 +421,8 @@ def load_index(
     check_corpus(corpus, meta, index_dir)
     corpus_guard = CorpusGuard(path, meta.get("corpus_digest"), index_dir)
     corpus_guard.check()  # the sampled blocks, and the whole file up to integrity.FULL_HASH_BYTES
-    since = "imported" if meta.get("dense", {}).get("imported_from") else "built"
-    files = meta.get("files", {})  # an index from before file digests: its files watched from this load
-    guard = IndexGuard(corpus_guard, [IndexFileGuard(index_dir / name, files.get(name), index_dir, since)
-                                      for name in served_files(meta)])  # fmt: skip
-    index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1), guard=guard)
+    index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1),
+                  guard=IndexGuard(corpus_guard, []))  # fmt: skip
     if meta["method"] in ("bm25", "hybrid"):
         backend = "numba" if bm25_backend == "numba" else "numpy"
         index.bm25 = load_bm25(index_dir / "bm25", meta["n_docs"], backend)
@@ -448,7 +446,12 @@ def load_index(
         if index.faiss.d != encoder_width(index.encoder):
             raise corrupt(index_dir / "faiss.index", f"{index.faiss.d}-dimensional vectors; encoder "
                           f"{meta['dense']['model']} embeds {encoder_width(index.encoder)}")  # fmt: skip
-    guard.check()  # the index's own files against their digests (after the loaders: a cut file is "corrupt")
+    # the index's own files against their digests, after the loaders (a cut file is "corrupt", named by them)
+    since = "imported" if meta.get("dense", {}).get("imported_from") else "built"
+    files = meta.get("files", {})  # an index from before file digests: its files watched from this load
+    index.guard.files = [IndexFileGuard(index_dir / name, files.get(name), index_dir, since)
+                         for name in served_files(meta)]  # fmt: skip
+    index.guard.check()
     return index
 
 

@@ -251,3 +251,22 @@ def test_a_bm25_array_rewritten_under_a_loaded_index_is_refused_and_the_build_re
     meta = json.loads((copy / "meta.json").read_text())
     build_index(meta["corpus"], copy, "bm25")
     assert search(load_index(copy), ["Person 3 born"], 3) == want
+
+
+def test_an_index_from_before_file_digests_is_watched_from_its_load(bm25_index, tmp_path):
+    """meta.json without "files" (built before them): loaded as before, its files watched from the load."""
+    import shutil
+
+    from search.integrity import CorpusChanged
+
+    copy = tmp_path / "old"
+    shutil.copytree(bm25_index, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    del meta["files"]
+    (copy / "meta.json").write_text(json.dumps(meta))
+    index = load_index(copy)
+    spans = copy / "spans.npy"
+    array = np.load(spans)
+    np.save(spans, array[::-1].copy())  # rows pointing at other passages: the same size
+    with pytest.raises(CorpusChanged, match=f"index file {spans} changed since index {copy} was loaded"):
+        search(index, ["Person 3 born"], 3)
