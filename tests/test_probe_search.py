@@ -15,6 +15,7 @@ client against a real HTTP server on 127.0.0.1.
 
 import json
 import re
+import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,6 +28,7 @@ from test_server import post, start_server
 import retriever
 from search.client import RetrieverError, http_retrieve
 from search.index import build_index, default_encoder_path, import_index, load_index, search
+from search.integrity import CorpusChanged
 from search.tools import open_search
 from trainer.config import ConfigError, DataError, RetrieverConfig
 
@@ -209,7 +211,7 @@ def test_a_meta_json_of_the_wrong_types_is_one_line_naming_the_key(bm25_index, t
                              ("id_checks", [[10_000, "p1"]], "'id_checks' must be a list of [row below n_docs, id]"),
                              ("method", "tfidf", "'method' must be one of")]:  # fmt: skip
         broken = tmp_path / key
-        broken.mkdir()
+        shutil.copytree(bm25_index, broken)
         (broken / "meta.json").write_text(json.dumps(meta | {key: value}))
         with pytest.raises(DataError, match=f"index file {broken / 'meta.json'} is corrupt .*{re.escape(says)}"):
             load_index(broken)
@@ -233,10 +235,6 @@ def test_a_bm25_array_rewritten_under_a_loaded_index_is_refused_and_the_build_re
     """The class of finding 2 beyond faiss.index: bm25s's arrays are mmap'd too. Scores rewritten in
     place (same size) changed the ranking silently; now the next search names the file, a load
     refuses it, and the same build command builds the index again."""
-    import shutil
-
-    from search.integrity import CorpusChanged
-
     copy = tmp_path / "bm25"
     shutil.copytree(bm25_index, copy)
     index = load_index(copy)
@@ -255,14 +253,10 @@ def test_a_bm25_array_rewritten_under_a_loaded_index_is_refused_and_the_build_re
 
 def test_an_index_from_before_file_digests_is_watched_from_its_load(bm25_index, tmp_path):
     """meta.json without "files" (built before them): loaded as before, its files watched from the load."""
-    import shutil
-
-    from search.integrity import CorpusChanged
-
     copy = tmp_path / "old"
     shutil.copytree(bm25_index, copy)
     meta = json.loads((copy / "meta.json").read_text())
-    del meta["files"]
+    meta.pop("files", None)
     (copy / "meta.json").write_text(json.dumps(meta))
     index = load_index(copy)
     spans = copy / "spans.npy"
