@@ -332,7 +332,7 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
     meta = {"method": "dense", "corpus": str(corpus.path.resolve()), "n_docs": len(corpus),
             "corpus_bytes": digest["bytes"], "corpus_digest": digest, "id_checks": id_checks(corpus),
             "dense": dense | {"imported_from": str(src.resolve()), "link": link},
-            "files": index_file_digests(out, ["spans.npy", "faiss.index"])}  # fmt: skip
+            "files": index_file_digests(out, ["spans.npy", "faiss.index"], sampled=("faiss.index",))}  # fmt: skip
     write_json(out / "meta.json", meta | {"complete": True})
     return out
 

@@ -1,5 +1,6 @@
-"""Is the corpus still the one an index was built on? A digest recorded at build, checked at every
-load, and watched while the index is in use (in process and by the server).
+"""Is the corpus still the one an index was built on, and are the index's own files still the ones
+written (IndexFileGuard, below)? A digest recorded at build, checked at every load, and watched
+while the index is in use (in process and by the server).
 
 An index's rows are byte spans of its corpus file (corpus.py). A same-size edit after indexing
 (two equal-length rows swapped) keeps every span a valid passage, and the 1,000 rows check_corpus
@@ -220,17 +221,22 @@ class CorpusGuard:
 #
 # faiss.index (mmap'd, and for an import a hard link to the user's file), spans.npy and bm25's
 # arrays (mmap'd) are served from their pages: a file rewritten in place changes the hits, and one
-# cut short kills the process with SIGBUS at the next read of a page past its new end. So a build
-# and an import record each file's digest in meta.json ("files"), load_index checks them, and the
-# IndexGuard stats every one before each search and request: a changed size is refused before any
-# page of the file is read (a 503, not a SIGBUS). What is left: a file cut short *during* a search.
+# cut short kills the process with SIGBUS at the next read of a page past its new end (measured:
+# exit 135 on a Flat import cut to 4 KiB). So a build and an import record each file's digest in
+# meta.json ("files"), load_index checks them, and the IndexGuard stats every one before each
+# search and request: a changed size is refused before any page of the file is read (a 503, not a
+# SIGBUS); a same-size rewrite as the corpus's is (hashes), or by its mtime (IndexFileGuard). What
+# is left: a file cut short *during* a search, and, on a file over FULL_HASH_BYTES whose stat
+# changed, the searches made before its background whole-file hash ends.
 
 
 class IndexFileGuard(CorpusGuard):
-    """One of an index's own files against its digest at the build (or import). The index never
-    writes them again once it is complete, so a file over FULL_HASH_BYTES (no whole hash recorded)
-    whose content may have changed (mtime, inode or device not the build's) is refused, whatever
-    the sampled blocks say; a chmod or a new hard link (ctime alone) is not a change."""
+    """One of an index's own files against its digest at the build (or import), checked as the
+    corpus is. A file with no whole hash recorded (an imported faiss file over FULL_HASH_BYTES: the
+    import does not read 65 GB) whose mtime is not the recorded one is refused whatever the sampled
+    blocks say: the index never writes its files again once complete, so only a write (or a copy
+    that did not keep the mtime) moved it. A chmod, a new hard link (ctime alone) or a copy that
+    keeps the mtime (cp -a, rsync -a) is not a change."""
 
     noun = "index file"
 
@@ -244,20 +250,22 @@ class IndexFileGuard(CorpusGuard):
                 f"restore it, or {again}")  # fmt: skip
 
     def _unhashed(self, key: dict) -> str | None:
-        moved = [k for k in ("mtime_ns", "inode", "device") if key[k] != self.want[k]]
-        if not moved:
+        if key["mtime_ns"] == self.want["mtime_ns"]:
             return None
-        return self._changed(f"{', '.join(moved)} not the recorded one and no whole hash to compare")
+        return self._changed("written since: its mtime is not the recorded one, and no whole hash was recorded "
+                             "to compare")  # fmt: skip
 
 
-def index_file_digests(index_dir: Path, names: list[str]) -> dict:
-    """{name: digest} of an index's own files, for meta.json's "files": each hashed whole up to
-    FULL_HASH_BYTES, the larger ones sampled (IndexFileGuard says what that catches)."""
+def index_file_digests(index_dir: Path, names: list[str], sampled: tuple[str, ...] = ()) -> dict:
+    """{name: digest} of an index's own files, for meta.json's "files": each hashed whole (a build
+    has just written them: ~1 s a GB beside its hours of embedding), but the `sampled` ones over
+    FULL_HASH_BYTES (an imported faiss file: the import reads none of its 65 GB)."""
     out = {}
     for name in names:
         path = index_dir / name
         with open(path, "rb") as f:
-            whole = full_hash(f.fileno()) if os.fstat(f.fileno()).st_size <= FULL_HASH_BYTES else ""
+            small = os.fstat(f.fileno()).st_size <= FULL_HASH_BYTES
+            whole = full_hash(f.fileno()) if small or name not in sampled else ""
         out[name] = file_digest(path, whole)
     return out
 
@@ -287,4 +295,5 @@ class IndexGuard:
             raise CorpusChanged(why)
 
     def wait(self, timeout: float | None = None) -> None:
-        self.corpus.wait(timeout)
+        for guard in [self.corpus, *self.files]:
+            guard.wait(timeout)

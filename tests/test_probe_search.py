@@ -264,3 +264,27 @@ def test_an_index_from_before_file_digests_is_watched_from_its_load(bm25_index, 
     np.save(spans, array[::-1].copy())  # rows pointing at other passages: the same size
     with pytest.raises(CorpusChanged, match=f"index file {spans} changed since index {copy} was loaded"):
         search(index, ["Person 3 born"], 3)
+
+
+def test_a_large_imported_faiss_file_is_refused_once_written_and_kept_when_copied_with_its_mtime(tmp_path,
+                                                                                                monkeypatch):
+    """What wiki-18's 65 GB e5_Flat.index gets (the import reads none of it, so no whole hash), here
+    with integrity.FULL_HASH_BYTES at 0: a write that the sampled blocks miss still moves its mtime
+    and is refused; the index directory copied with its mtimes (cp -a) still loads and searches."""
+    import os
+
+    from search import integrity
+
+    monkeypatch.setattr(integrity, "FULL_HASH_BYTES", 0)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    users = faiss_file(tmp_path / "e5_Flat.index")
+    index_dir = import_index(users, corpus, tmp_path / "idx", default_encoder_path(), "minilm")
+    assert "blake2b" not in json.loads((index_dir / "meta.json").read_text())["files"]["faiss.index"]
+    copied = tmp_path / "copied"
+    shutil.copytree(index_dir, copied)  # copy2: the mtimes kept, new inodes
+    assert len(search(load_index(copied), ["Person 3 born"], 3)[0]) == 3
+    index = load_index(index_dir)
+    st = users.stat()
+    os.utime(users, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # as a write that missed every sampled block
+    with pytest.raises(CorpusChanged, match="faiss.index changed since index .* was imported \\(written since"):
+        search(index, ["Person 3 born"], 3)
