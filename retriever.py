@@ -16,7 +16,7 @@ source, WebFilter §3 search operators. The code lives in `search/`:
   index.py   build, load (mmap) and search an index directory: BM25 (bm25s), dense, hybrid (RRF)
   dense.py   the encoder (E5 / MiniLM / BGE) and faiss files; import of a faiss index built elsewhere
   corpus.py  the corpus as byte spans; integrity.py its digest (checked at load and while served)
-  files.py   index files written whole (fsync, rename) and read back checked
+  files.py   index files written whole (fsync, rename) and read back checked; meta.py meta.json's fields
   web.py     web-style search with operators (site:, before:, "phrase", -term, AND/OR/NOT), READ
   server.py  the HTTP server with request limits and batching; client.py the client with a timeout
   tools.py   what a rollout calls: the in-process index or the server, chosen by `retriever.*`
@@ -156,6 +156,13 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def positive(flag: str, value: int) -> None:
+    """A count flag below 1 is one line, before the index loads (`-k 0` was faiss's AssertionError,
+    `--max-tokens -5` printed "-5 of 9 tokens")."""
+    if value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+
+
 def run(args: argparse.Namespace) -> None:
     """One subcommand, its result printed."""
     if args.cmd == "build":
@@ -177,6 +184,7 @@ def run(args: argparse.Namespace) -> None:
         link = json.loads((out / "meta.json").read_text())["dense"]["link"]
         print(f"imported {args.faiss_index} into {out} ({link}, not copied)")
     elif args.cmd == "search":
+        positive("-k", args.k)
         index = load_index(args.index, args.corpus, args.search_params)
         if args.web:
             for q in args.query:
@@ -185,6 +193,7 @@ def run(args: argparse.Namespace) -> None:
             for q, hits in zip(args.query, search(index, args.query, args.k)):
                 print(f"## {q}\n{format_hits(hits)}\n")
     elif args.cmd == "read":
+        positive("--max-tokens", args.max_tokens)
         doc = read(load_index(args.index), args.key, args.max_tokens)
         print(json.dumps(doc, indent=1, ensure_ascii=False))
     else:

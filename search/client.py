@@ -15,6 +15,7 @@ batch of 1,300 queries or a 3,000-character query is answered, not refused with 
 
 import http.client
 import json
+import math
 import socket
 import sys
 import threading
@@ -96,7 +97,22 @@ def search_r1_result(reply: bytes, n: int) -> list[list[dict]]:
                                                  and isinstance(h["document"].get("contents"), str)
                                                  for h in hits):  # fmt: skip
             raise ValueError("a hit list is not a list of {'document': {'contents': '...', ...}, 'score': ...}")
+    for q, hits in enumerate(result):
+        for h, hit in enumerate(hits):
+            check_score(hit, f"result[{q}][{h}].score")
     return result
+
+
+def check_score(hit: dict, where: str) -> None:
+    """A hit's score is a finite number, or absent: `retriever.min_score` compares it (search/tools.py)
+    mid-rollout, where "high" was a TypeError. A null score is taken for a missing one (dropped)."""
+    if "score" not in hit:
+        return
+    score = hit["score"]
+    if score is None:
+        del hit["score"]
+    elif not isinstance(score, (int, float)) or isinstance(score, bool) or not math.isfinite(score):
+        raise ValueError(f"{where} must be a finite number, got {score!r}"[:120])
 
 
 def one_line(text: str) -> str:

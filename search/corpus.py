@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ from tqdm import tqdm
 from trainer.config import DataError
 
 N_ID_CHECKS = 1000  # rows re-read on load: the ids are still on their rows (integrity.py: the bytes)
-
+# a JSON escape of a UTF-16 surrogate (a pair is fine, a lone one is not), or its bytes in the raw line
+MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 @dataclass
@@ -58,7 +60,28 @@ def parse_passage(line: bytes | str, where: str) -> dict:
     for key in ("url", "domain", "date"):
         if doc.get(key) is not None and not isinstance(doc[key], str):
             raise DataError(f"{where}: {key!r} must be a string when present, got {_json_type(doc[key])}")
+    if MAYBE_SURROGATE.search(line if isinstance(line, bytes) else line.encode("utf-8", "surrogatepass")):
+        _refuse_lone_surrogates(doc, where)
     return doc
+
+
+def _refuse_lone_surrogates(value, where: str, key: str = "") -> None:
+    """A lone UTF-16 surrogate ("\\ud800") parses, but no reply holding it can be written as UTF-8:
+    every search that hit the passage would be a 500 (the server) or a UnicodeEncodeError (the CLI).
+    Refused at the build, naming the line and the key; the regex above keeps this walk off clean lines."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_lone_surrogates(k, where, key)
+            _refuse_lone_surrogates(v, where, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _refuse_lone_surrogates(v, where, f"{key}[{i}]")
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: {key or 'a key'!r} holds a lone surrogate (\\u{ord(value[e.start]):04x} at "
+                            f"character {e.start}), which no UTF-8 reply can carry") from None
 
 
 def _json_type(value) -> str:

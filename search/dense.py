@@ -14,7 +14,10 @@ index.py builds, loads and searches index directories with them.
   * faiss.index is written whole (trainer/fsync.write_file) and read back with one vector per passage
     before an index is marked complete; faiss files open mmap'd (IO_FLAG_MMAP_IFC, see load_index).
   * A bare faiss index (Search-R1's e5_Flat.index) is imported, not re-embedded: `import_index`
-    checks it against the corpus and the encoder, and links it (never copies it).
+    checks it against the corpus and the encoder (count, width, metric, the ids it returns), and
+    links it (never copies it); it never removes or replaces a file it did not make. The linked
+    file is the user's: meta.json records its digest, and integrity.IndexGuard watches it while
+    it is served (a file rewritten or cut short is a refusal, not other passages or a SIGBUS).
 
 bm25s, faiss, torch and transformers are imported only inside the functions that need them
 (index.py's docstring says why: vLLM on CPU).
@@ -33,7 +36,7 @@ from tqdm import tqdm
 
 from search.corpus import Corpus, id_checks, iter_passages
 from search.files import corrupt, load_npy, read_json, save_npy, write_json
-from search.integrity import scan_with_digest
+from search.integrity import index_file_digests, scan_with_digest
 from trainer.config import ConfigError, DataError
 from trainer.fsync import write_file
 
@@ -240,6 +243,18 @@ def open_embeddings(path: Path, n: int, dim: int, fresh: bool) -> np.memmap:
     return np.memmap(path, dtype=np.float32, mode="r+", shape=(n, dim))
 
 
+def check_factory(factory: str, model: str) -> None:
+    """A faiss index_factory string faiss can build at the encoder's width, checked before the
+    corpus is embedded (hours for wiki-18), not after: one line, not faiss's traceback."""
+    import faiss
+
+    try:
+        faiss.index_factory(encoder_hidden_size(model), factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise ConfigError(f"index factory {factory!r} (--index-factory): faiss cannot build it "
+                          f"({faiss_said(e)})") from None
+
+
 def write_faiss(index, path: Path) -> None:
     import faiss
 
@@ -275,11 +290,14 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
 
     Search-R1's e5_Flat.index (its index_builder.py: one vector per corpus line, added in line
     order, `faiss.write_index` of the index alone) is the case in mind. Checked first: the file is a
-    faiss index, it holds one vector per passage and its width is the encoder's (a one-line error
-    naming the file otherwise). The file is linked, never copied (65 GB for wiki-18 in E5): a hard
-    link on the same filesystem, else a symlink to its resolved path; meta.json says which, and
-    meta.json is written last (whole, after spans.npy and the link read back), so a directory
-    without it holds no index. meta.json records the corpus's digest (integrity.py)."""
+    faiss index, it holds one vector per passage, its width is the encoder's, it scores by inner
+    product and the ids it returns are the corpus rows (a one-line error naming the file
+    otherwise). The file is linked, never copied (65 GB for wiki-18 in E5): a hard link on the same
+    filesystem, else a symlink to its resolved path, or the file itself when it already lies at
+    out/faiss.index (link_file: nothing there is removed); meta.json says which, and meta.json is
+    written last (whole, after spans.npy and the link read back), so a directory without it holds
+    no index. meta.json records the corpus's digest and its own files' (integrity.py): the
+    user's file, rewritten in place or cut short later, is refused at load and while served."""
     import faiss
 
     model, family = resolve_encoder(model, family)
@@ -297,9 +315,14 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
     if index.d != dim:
         raise DataError(f"{src} holds {index.d}-dimensional vectors but encoder {model} embeds {dim}; "
                         "import it with the encoder that embedded it")  # fmt: skip
-    metrics = {faiss.METRIC_INNER_PRODUCT: "inner product", faiss.METRIC_L2: "L2"}
+    if index.metric_type != faiss.METRIC_INNER_PRODUCT:
+        raise DataError(f"{src} scores by {metric_name(index.metric_type)}, not inner product: the encoders' scores "
+                        "are inner products of normalised embeddings (retriever.min_score keeps hits scoring at "
+                        "least it; a distance would keep the farthest); build it with METRIC_INNER_PRODUCT"
+                        )  # fmt: skip
+    check_ids(index, src)
     dense = {"model": model, "family": family, "index_factory": f"{type(index).__name__} (imported)",
-             "metric": metrics.get(index.metric_type, str(index.metric_type))}  # fmt: skip
+             "metric": metric_name(index.metric_type)}  # fmt: skip
     del index
     out.mkdir(parents=True, exist_ok=True)
     link = link_file(src, out / "faiss.index")
@@ -308,16 +331,72 @@ def import_index(faiss_path: str | Path, corpus_path: str | Path, out: str | Pat
     load_faiss(out / "faiss.index", len(corpus))
     meta = {"method": "dense", "corpus": str(corpus.path.resolve()), "n_docs": len(corpus),
             "corpus_bytes": digest["bytes"], "corpus_digest": digest, "id_checks": id_checks(corpus),
-            "dense": dense | {"imported_from": str(src.resolve()), "link": link}}  # fmt: skip
+            "dense": dense | {"imported_from": str(src.resolve()), "link": link},
+            "files": index_file_digests(out, ["spans.npy", "faiss.index"], sampled=("faiss.index",))}  # fmt: skip
     write_json(out / "meta.json", meta | {"complete": True})
     return out
 
 
+def metric_name(metric: int) -> str:
+    import faiss
+
+    names = {faiss.METRIC_INNER_PRODUCT: "inner product", faiss.METRIC_L2: "L2"}
+    return names.get(metric, f"faiss metric {metric}")
+
+
+def stored_ids(index) -> np.ndarray | None:
+    """The ids a faiss index returns for its vectors where it stores them (an IDMap's id_map, an IVF's
+    inverted lists, through a PreTransform), or None where a hit's id is its vector's position."""
+    import faiss
+
+    while isinstance(index, (faiss.IndexPreTransform, faiss.IndexRefine)):  # the ids are the inner index's
+        index = faiss.downcast_index(index.index if isinstance(index, faiss.IndexPreTransform) else index.base_index)
+    if hasattr(index, "id_map"):
+        return faiss.vector_to_array(index.id_map)
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:  # no IVF inside: Flat, HNSW, PQ, SQ number their vectors in order
+        return None
+    lists = ivf.invlists
+    parts = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i)).copy()
+             for i in range(ivf.nlist) if lists.list_size(i)]  # fmt: skip
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def check_ids(index, src: Path) -> None:
+    """A hit's id is the corpus row it returns: an index that stores ids (add_with_ids) must hold
+    each row 0 .. ntotal-1 once, or its hits would be other passages, or none (one line otherwise)."""
+    ids = stored_ids(index)
+    if ids is None:
+        return
+    n, why = index.ntotal, ""
+    if len(ids) != n:
+        why = f"{len(ids)} ids for {n} vectors"
+    elif n and (ids.min() < 0 or ids.max() >= n):
+        bad = ids[(ids < 0) | (ids >= n)][0]
+        why = f"id {int(bad)}, outside the corpus's rows 0 .. {n - 1}"
+    elif np.unique(ids).size != n:
+        values, counts = np.unique(ids, return_counts=True)
+        why = f"id {int(values[counts > 1][0])} twice"
+    if why:
+        raise DataError(f"{src} stores ids ({type(index).__name__}) and holds {why}; a hit's id is its corpus "
+                        "row, so its ids must be the rows 0 .. n-1, each once")  # fmt: skip
+
+
 def link_file(src: Path, dst: Path) -> str:
     """`src` at `dst` without a copy: a hard link where both are on one filesystem, else a symlink
-    to src's resolved path (a relative one would break when the directory moves). Returns which."""
+    to src's resolved path (a relative one would break when the directory moves). Returns which.
+
+    Nothing at `dst` is ever removed: a file that already is `src` (`--faiss-index DIR/faiss.index
+    --out DIR`, or a link an import killed before its meta.json left) is kept as it is ("in place"
+    when it is src's own name), anything else is refused (it is not ours to replace)."""
     src = src.resolve()
-    dst.unlink(missing_ok=True)  # left by an import killed before its meta.json
+    if dst.is_symlink() or dst.exists():
+        if not (dst.exists() and os.path.samefile(src, dst)):
+            raise ConfigError(f"{dst} already exists and is not {src}; move it away or import into another directory")
+        if dst.is_symlink():
+            return "symlink"
+        return "in place" if dst.resolve() == src else "hard link"
     try:
         os.link(src, dst)
         return "hard link"
@@ -337,9 +416,10 @@ def read_faiss(path: Path):
         raise DataError(f"{path}: faiss cannot read it as an index ({faiss_said(e)})") from None
 
 
-def load_faiss(path: Path, n_docs: int):
-    """An index directory's faiss.index (read_faiss), holding one vector per passage; anything else
-    is one line naming the file (files.corrupt): a truncated file, a link to a file that is gone."""
+def load_faiss(path: Path, n_docs: int, metric: str = "inner product"):
+    """An index directory's faiss.index (read_faiss), holding one vector per passage, scoring by the
+    metric meta.json records; anything else is one line naming the file (files.corrupt): a
+    truncated file, a link to a file that is gone, another index put in its place."""
     if not path.exists():
         gone = f"a link to {os.readlink(path)}, which is gone" if path.is_symlink() else "missing"
         raise corrupt(path, gone)
@@ -349,7 +429,23 @@ def load_faiss(path: Path, n_docs: int):
         raise corrupt(path, str(e).removeprefix(f"{path}: ")) from None
     if index.ntotal != n_docs:
         raise corrupt(path, f"{index.ntotal} vectors for {n_docs} passages")
+    if metric != metric_name(index.metric_type):
+        raise corrupt(path, f"it scores by {metric_name(index.metric_type)}; meta.json says {metric}")
     return index
+
+
+def set_search_params(faiss_index, search_params: str) -> None:
+    """faiss's search parameters (retriever.search_params, --search-params), e.g. "efSearch=128"
+    (HNSW) or "nprobe=32" (IVF); one the index has not is one line, not faiss's traceback."""
+    import faiss
+
+    if not search_params:
+        return
+    try:
+        faiss.ParameterSpace().set_index_parameters(faiss_index, search_params)
+    except RuntimeError as e:
+        raise ConfigError(f"search parameters {search_params!r} (retriever.search_params, --search-params) do not "
+                          f"apply to this {type(faiss_index).__name__} index: {faiss_said(e)}") from None
 
 
 def check_encoder(meta: dict, model: str, family: str, index_dir: Path) -> None:

@@ -14,7 +14,8 @@ In Python:
 Design choices, each against a pitfall in docs/design.md §7:
   * The corpus is never loaded as a list (corpus.py); `load_index` refuses a corpus whose ids,
     size or digest (integrity.py) differ from the one the index was built on, and every search
-    first checks (a stat) that the file has not changed since.
+    first checks (a stat) that the file has not changed since; the index's own files likewise
+    (meta.json's "files" digests: a file rewritten in place or cut short is refused, not served).
   * Every file of an index is written whole (files.py: a temporary name, fsync, rename) and read
     back before meta.json says "complete"; a resumed build checks what an earlier one left (a
     0-byte or corrupt file is built again, never taken for done); a corrupt file at load is one
@@ -52,21 +53,24 @@ from search.dense import (
     Encoder,
     build_dense,
     check_encoder,
+    check_factory,
     encode,
+    encoder_width,
     load_encoder,
     load_faiss,
     resolve_encoder,
+    set_search_params,
     to_gpus,
     use_all_cores,
 )
 from search.dense import default_encoder_path as default_encoder_path
 from search.dense import import_index as import_index
 from search.files import corrupt, load_npy, read_json, save_npy, write_json
-from search.integrity import CorpusGuard, scan_with_digest
+from search.integrity import CorpusGuard, IndexFileGuard, IndexGuard, index_file_digests, scan_with_digest
+from search.meta import BM25_FILES, METHODS, check_meta, served_files
 from trainer.config import ConfigError, DataError
 from trainer.fsync import fsync_path, fsync_tree
 
-METHODS = ("bm25", "dense", "hybrid")
 BM25_BACKENDS = ("scipy", "numpy", "numba")
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack, Clarke & Buettcher 2009)
 
@@ -103,10 +107,6 @@ def import_bm25s():
     import bm25s
 
     return bm25s
-
-
-BM25_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "indices.csc.index.npy",
-              "indptr.csc.index.npy")  # fmt: skip  # what bm25s.BM25.save writes (lucene BM25)
 
 
 def build_bm25(corpus: Corpus, out: Path, chunk: int = 10_000) -> None:
@@ -165,8 +165,9 @@ def load_bm25(directory: Path, n_docs: int, backend: str = "numpy"):
     return model
 
 
-def bm25_done(directory: Path, n_docs: int) -> bool:
-    """Did an earlier run of this build leave a BM25 index that reads back? (Not merely a file.)"""
+def bm25_done(directory: Path, n_docs: int, digests: dict | None = None) -> bool:
+    """Did an earlier run of this build leave a BM25 index that reads back, and (`digests`: a finished
+    index's meta.json "files") is each of its files the one that build wrote? (Not merely a file.)"""
     if not directory.exists():
         return False
     try:
@@ -174,6 +175,12 @@ def bm25_done(directory: Path, n_docs: int) -> bool:
     except DataError as e:
         print(f"building {directory} again: {e}", flush=True)
         return False
+    for name in BM25_FILES:
+        want = (digests or {}).get(f"{directory.name}/{name}")
+        why = want and IndexFileGuard(directory / name, want, directory.parent).reason()
+        if why:
+            print(f"building {directory} again: {why}", flush=True)
+            return False
     return True
 
 
@@ -242,7 +249,7 @@ class Index:
     threads: int = 0
     bm25_matrix: object | None = None  # scipy CSR view (vocab x docs) of bm25s's score arrays
     rows_by_key: dict[str, int] | None = None  # id / url -> row, built on the first read()
-    guard: CorpusGuard | None = None  # is the corpus file still the indexed one (integrity.py)
+    guard: IndexGuard | None = None  # are the corpus and the index's files still the indexed ones (integrity.py)
 
 
 def build_index(
@@ -266,8 +273,12 @@ def build_index(
     if method not in METHODS:
         raise ConfigError(f"unknown retrieval method {method!r}; choose one of {METHODS}")
     out = Path(out)
-    if method != "bm25":  # before the corpus scan: a missing family fails at once
+    for name, value in (("batch_size", batch_size), ("chunk", chunk)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if method != "bm25":  # before the corpus scan: a missing family or a bad factory fails at once
         model, family = resolve_encoder(model, family)
+        check_factory(index_factory, model)
     corpus, digest = scan_with_digest(corpus_path)
     meta = {
         "method": method,
@@ -280,11 +291,11 @@ def build_index(
     }
     if method != "bm25":
         meta["dense"] = {"model": model, "family": family, "index_factory": index_factory}
-    check_earlier_build(out, meta)
+    earlier = check_earlier_build(out, meta)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "meta.json", meta)
     save_npy(out / "spans.npy", corpus.spans)
-    if method in ("bm25", "hybrid") and not bm25_done(out / "bm25", len(corpus)):
+    if method in ("bm25", "hybrid") and not bm25_done(out / "bm25", len(corpus), earlier):
         build_bm25(corpus, out)
     if method in ("dense", "hybrid"):
         enc = load_encoder(meta["dense"]["model"], meta["dense"]["family"], all_gpus=True)
@@ -292,18 +303,28 @@ def build_index(
     fault = index_fault(out, meta)
     if fault:
         raise DataError(f"index {out} does not read back after its build: {fault}")
-    write_json(out / "meta.json", meta | {"complete": True})
+    write_json(out / "meta.json", meta | {"files": index_file_digests(out, served_files(meta)), "complete": True})
     if not keep_embeddings:  # only once the index is complete: until then a killed build resumes from them
         for name in ("embeddings.f32", "embed_state.json"):
             (out / name).unlink(missing_ok=True)
     return out
 
 
-def check_earlier_build(out: Path, meta: dict) -> None:
-    """Refuse to build over a finished index that reads back, or over a build of another index;
-    say so when a finished one does not read back (it is built again, like a partial one)."""
+OWN_NAMES = ("faiss.index", "spans.npy", "bm25", "embeddings.f32", "embed_state.json")  # what a build writes
+
+
+def check_earlier_build(out: Path, meta: dict) -> dict:
+    """Refuse to build over a finished index that reads back, over a build of another index, or
+    into a directory without meta.json that holds a file of a name a build writes (a build writes
+    meta.json first, so that file is not a build's: perhaps the user's own faiss.index); say so when
+    a finished one does not read back (it is built again, like a partial one). Returns the file
+    digests a finished one recorded (a file that reads back but is not one of them is built again)."""
     if not (out / "meta.json").exists():
-        return
+        theirs = [name for name in OWN_NAMES if (out / name).exists() or (out / name).is_symlink()]
+        if theirs:
+            raise ConfigError(f"{out} holds {', '.join(theirs)} but no meta.json: not a build this one can resume, "
+                              "and a build would replace them; move them away or build into another directory")
+        return {}
     try:
         done = read_json(out / "meta.json")
     except DataError as e:  # not written by this code (its writes are whole): whose build is it?
@@ -320,20 +341,27 @@ def check_earlier_build(out: Path, meta: dict) -> None:
         raise ConfigError(f"{out} holds a partial build of a different index; remove it first")
     if finished:
         print(f"{out} is marked finished but does not read back ({fault}); building it again", flush=True)
+    files = done.get("files") if finished else None
+    return files if isinstance(files, dict) else {}
 
 
 def index_fault(out: Path, meta: dict) -> str | None:
     """Why the files of an index directory do not read back as `meta`'s index (load_index's
     loaders, each checked against n_docs), or None."""
-    n = meta["n_docs"]
     try:
+        check_meta(meta, out / "meta.json")
+        n = meta["n_docs"]
         load_npy(out / "spans.npy", shape=(n, 2), dtype=np.int64)
         if meta["method"] in ("bm25", "hybrid"):
             load_bm25(out / "bm25", n)
         if meta["method"] in ("dense", "hybrid"):
-            load_faiss(out / "faiss.index", n)
+            load_faiss(out / "faiss.index", n, meta["dense"].get("metric", "inner product"))
     except DataError as e:
         return str(e)
+    for name, want in meta.get("files", {}).items():  # readable, but not the files the build wrote
+        why = IndexFileGuard(out / name, want, out).reason()
+        if why:
+            return why
     return None
 
 
@@ -383,6 +411,7 @@ def load_index(
     meta = read_json(meta_path)
     if not meta.get("complete"):
         raise DataError(f"index {index_dir} is a partial build; run the same build command again to resume")
+    check_meta(meta, meta_path)
     if encoder is not None:
         check_encoder(meta, *encoder, index_dir)
     path = Path(corpus_path or meta["corpus"])
@@ -390,9 +419,10 @@ def load_index(
         raise FileNotFoundError(f"corpus file not found: {path} (index {index_dir}; pass --corpus if it moved)")
     corpus = Corpus(path, load_npy(index_dir / "spans.npy", shape=(meta["n_docs"], 2), dtype=np.int64))
     check_corpus(corpus, meta, index_dir)
-    guard = CorpusGuard(path, meta.get("corpus_digest"), index_dir)
-    guard.check()  # the sampled blocks, and the whole file up to integrity.FULL_HASH_BYTES
-    index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1), guard=guard)
+    corpus_guard = CorpusGuard(path, meta.get("corpus_digest"), index_dir)
+    corpus_guard.check()  # the sampled blocks, and the whole file up to integrity.FULL_HASH_BYTES
+    index = Index(index_dir, meta, corpus, threads=threads if threads >= 0 else (os.cpu_count() or 1),
+                  guard=IndexGuard(corpus_guard, []))  # fmt: skip
     if meta["method"] in ("bm25", "hybrid"):
         backend = "numba" if bm25_backend == "numba" else "numpy"
         index.bm25 = load_bm25(index_dir / "bm25", meta["n_docs"], backend)
@@ -403,17 +433,25 @@ def load_index(
             vocab = len(sc["indptr"]) - 1
             index.bm25_matrix = sp.csr_matrix((sc["data"], sc["indices"], sc["indptr"]), shape=(vocab, sc["num_docs"]))
     if meta["method"] in ("dense", "hybrid"):
-        import faiss
         import torch
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         use_all_cores()
-        index.faiss = load_faiss(index_dir / "faiss.index", meta["n_docs"])
-        if search_params:  # e.g. "efSearch=128" (HNSW) or "nprobe=32" (IVF)
-            faiss.ParameterSpace().set_index_parameters(index.faiss, search_params)
+        metric = meta["dense"].get("metric", "inner product")
+        index.faiss = load_faiss(index_dir / "faiss.index", meta["n_docs"], metric)
+        set_search_params(index.faiss, search_params)
         if faiss_on_gpus and device.startswith("cuda"):
             index.faiss = to_gpus(index.faiss)
         index.encoder = load_encoder(meta["dense"]["model"], meta["dense"]["family"], device)
+        if index.faiss.d != encoder_width(index.encoder):
+            raise corrupt(index_dir / "faiss.index", f"{index.faiss.d}-dimensional vectors; encoder "
+                          f"{meta['dense']['model']} embeds {encoder_width(index.encoder)}")  # fmt: skip
+    # the index's own files against their digests, after the loaders (a cut file is "corrupt", named by them)
+    since = "imported" if meta.get("dense", {}).get("imported_from") else "built"
+    files = meta.get("files", {})  # an index from before file digests: its files watched from this load
+    index.guard.files = [IndexFileGuard(index_dir / name, files.get(name), index_dir, since)
+                         for name in served_files(meta)]  # fmt: skip
+    index.guard.check()
     return index
 
 
@@ -452,6 +490,8 @@ def rrf(lists: list[list[tuple[int, float]]], k: int) -> list[tuple[int, float]]
 
 def search_rows(index: Index, queries: list[str], k: int, method: str = "") -> list[list[tuple[int, float]]]:
     """(row, score) per query with the index's method (or `method`, if the index has it)."""
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"k (passages per query) must be a positive integer, got {k!r}")
     if index.guard is not None:  # a stat; the corpus's hashes only once the stat changes
         index.guard.check()
     method = method or index.meta["method"]

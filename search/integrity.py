@@ -1,5 +1,6 @@
-"""Is the corpus still the one an index was built on? A digest recorded at build, checked at every
-load, and watched while the index is in use (in process and by the server).
+"""Is the corpus still the one an index was built on, and are the index's own files still the ones
+written (IndexFileGuard, below)? A digest recorded at build, checked at every load, and watched
+while the index is in use (in process and by the server).
 
 An index's rows are byte spans of its corpus file (corpus.py). A same-size edit after indexing
 (two equal-length rows swapped) keeps every span a valid passage, and the 1,000 rows check_corpus
@@ -52,7 +53,8 @@ STAT_FIELDS = ("bytes", "mtime_ns", "ctime_ns", "inode", "device")
 
 
 class CorpusChanged(DataError):
-    """The corpus file no longer holds the corpus the index was built on (the server: 503)."""
+    """A served file, the corpus or one of the index's own files, no longer holds what the index was
+    built on (the server: 503)."""
 
 
 def stat_key(st: os.stat_result) -> dict:
@@ -130,6 +132,8 @@ class CorpusGuard:
     FULL_HASH_BYTES, else in a background thread when the stat is not the build's). The verdict
     stays until the stat changes again: restoring the corpus clears it."""
 
+    noun = "corpus"
+
     def __init__(self, path: str | Path, want: dict | None, index_dir: str | Path):
         self.path, self.index_dir = Path(path), Path(index_dir)
         self.since = "built" if want else "loaded"
@@ -163,13 +167,18 @@ class CorpusGuard:
                         self.fault = self._verify(key, self.generation)
                         self.seen = key
         except OSError as e:  # gone or unreadable (between the stat and the open, too)
-            return (f"corpus {self.path} of index {self.index_dir} cannot be read ({e.strerror or e}): "
-                    "restore the corpus")  # fmt: skip
+            return (f"{self.noun} {self.path} of index {self.index_dir} cannot be read ({e.strerror or e}): "
+                    f"restore the {self.noun}")  # fmt: skip
         return self.fault
 
     def _changed(self, why: str) -> str:
         return (f"corpus {self.path} changed since index {self.index_dir} was {self.since} ({why}): "
                 "rebuild the index, or restore the corpus")  # fmt: skip
+
+    def _unhashed(self, key: dict) -> str | None:
+        """A file too large to hash at every check, its stat not the build's, no whole hash recorded
+        to compare: the sampled blocks were its only check (an index from before digests)."""
+        return None
 
     def _verify(self, key: dict, generation: int) -> str | None:
         want = self.want
@@ -180,7 +189,7 @@ class CorpusGuard:
             if sampled_hash(fd, key["bytes"], want["block_bytes"], want["blocks"]) != want["sampled_blake2b"]:
                 return self._changed("sampled blocks differ")
             if "blake2b" not in want:
-                return None
+                return self._unhashed(key) if key["bytes"] > FULL_HASH_BYTES else None
             if key["bytes"] <= FULL_HASH_BYTES:
                 if full_hash(fd) != want["blake2b"]:
                     return self._changed("its blake2b differs; the sampled blocks are equal")
@@ -205,3 +214,86 @@ class CorpusGuard:
         """Until the background whole-file hash (if one runs) has its verdict."""
         if self.hashing is not None:
             self.hashing.join(timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# The index's own files, watched as the corpus is.
+#
+# faiss.index (mmap'd, and for an import a hard link to the user's file), spans.npy and bm25's
+# arrays (mmap'd) are served from their pages: a file rewritten in place changes the hits, and one
+# cut short kills the process with SIGBUS at the next read of a page past its new end (measured:
+# exit 135 on a Flat import cut to 4 KiB). So a build and an import record each file's digest in
+# meta.json ("files"), load_index checks them, and the IndexGuard stats every one before each
+# search and request: a changed size is refused before any page of the file is read (a 503, not a
+# SIGBUS); a same-size rewrite as the corpus's is (hashes), or by its mtime (IndexFileGuard). What
+# is left: a file cut short *during* a search, and, on a file over FULL_HASH_BYTES whose stat
+# changed, the searches made before its background whole-file hash ends.
+
+
+class IndexFileGuard(CorpusGuard):
+    """One of an index's own files against its digest at the build (or import), checked as the
+    corpus is. A file with no whole hash recorded (an imported faiss file over FULL_HASH_BYTES: the
+    import does not read 65 GB) whose mtime is not the recorded one is refused whatever the sampled
+    blocks say: the index never writes its files again once complete, so only a write (or a copy
+    that did not keep the mtime) moved it. A chmod, a new hard link (ctime alone) or a copy that
+    keeps the mtime (cp -a, rsync -a) is not a change."""
+
+    noun = "index file"
+
+    def __init__(self, path: str | Path, want: dict | None, index_dir: str | Path, since: str = "built"):
+        super().__init__(path, want, index_dir)
+        self.since = since if want else "loaded"
+
+    def _changed(self, why: str) -> str:
+        again = "import it again" if self.since == "imported" else "rebuild the index"
+        return (f"index file {self.path} changed since index {self.index_dir} was {self.since} ({why}): "
+                f"restore it, or {again}")  # fmt: skip
+
+    def _unhashed(self, key: dict) -> str | None:
+        if key["mtime_ns"] == self.want["mtime_ns"]:
+            return None
+        return self._changed("written since: its mtime is not the recorded one, and no whole hash was recorded "
+                             "to compare")  # fmt: skip
+
+
+def index_file_digests(index_dir: Path, names: list[str], sampled: tuple[str, ...] = ()) -> dict:
+    """{name: digest} of an index's own files, for meta.json's "files": each hashed whole (a build
+    has just written them: ~1 s a GB beside its hours of embedding), but the `sampled` ones over
+    FULL_HASH_BYTES (an imported faiss file: the import reads none of its 65 GB)."""
+    out = {}
+    for name in names:
+        path = index_dir / name
+        with open(path, "rb") as f:
+            small = os.fstat(f.fileno()).st_size <= FULL_HASH_BYTES
+            whole = full_hash(f.fileno()) if small or name not in sampled else ""
+        out[name] = file_digest(path, whole)
+    return out
+
+
+class IndexGuard:
+    """Every file a loaded index serves from: its corpus (CorpusGuard) and its own files
+    (IndexFileGuard each). `reason()` is the first fault found, `check()` raises it (CorpusChanged)."""
+
+    def __init__(self, corpus: CorpusGuard, files: list[IndexFileGuard]):
+        self.corpus, self.files = corpus, files
+
+    @property
+    def hashing(self) -> threading.Thread | None:  # the corpus's background whole-file hash
+        return self.corpus.hashing
+
+    def reason(self) -> str | None:
+        # the index's files first: a size change there is refused before a page past the end is read
+        for guard in [*self.files, self.corpus]:
+            why = guard.reason()
+            if why:
+                return why
+        return None
+
+    def check(self) -> None:
+        why = self.reason()
+        if why:
+            raise CorpusChanged(why)
+
+    def wait(self, timeout: float | None = None) -> None:
+        for guard in [self.corpus, *self.files]:
+            guard.wait(timeout)
