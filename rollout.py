@@ -52,7 +52,9 @@ tags, which the rewards read instead of the template's markup.
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from agent import protocols
@@ -219,8 +221,9 @@ def rollout_batch(
             if prefixes is not None:
                 _force_prefix(states[-1], prefixes[qi], tokenizer, cfg, proto)
 
-    def on_done(done: list[tuple[Request, Completion]]) -> list[Request]:
-        """Finished generations -> their tool calls, run in one batched call -> the next requests."""
+    def take(done: list[tuple[Request, Completion]]) -> tuple[list[Request], list[tuple[int, dict]]]:
+        """Finished generations -> the next requests of those that need no tool, and the tool
+        calls of the others ((trajectory, action) pairs)."""
         pending: list[tuple[int, dict]] = []
         follow: list[Request] = []
         for req, out in done:
@@ -233,16 +236,38 @@ def rollout_batch(
                 pending.append((req.key, act))
             elif s.finish == "answer" and cfg.confidence_after_answer:
                 follow += _confidence_request(req.key, s, cfg, seed)
+        return follow, pending
+
+    def observe(pending: list[tuple[int, dict]], results: list[list]) -> list[Request]:
+        """The tool results appended to their trajectories -> their next turns."""
+        follow: list[Request] = []
+        for (i, act), res in zip(pending, results):
+            _append_observation(states[i], act, res, tokenizer, proto, tools, wrap, cfg)
+            follow += _next_turn(states, i, cfg, proto, seed)
+        return follow
+
+    def on_done(done: list[tuple[Request, Completion]]) -> list[Request]:
+        """Finished generations -> their tool calls, run in one batched call -> the next requests."""
+        follow, pending = take(done)
         if pending:
-            results = _run_tools(tools, [act for _, act in pending])  # one batched call per tool
-            for (i, act), res in zip(pending, results):
-                _append_observation(states[i], act, res, tokenizer, proto, tools, wrap, cfg)
-                follow += _next_turn(states, i, cfg, proto, seed)
+            follow += observe(pending, _run_tools(tools, [act for _, act in pending]))  # one call per tool
         return follow
 
     first = [r for i in range(len(states)) for r in _next_turn(states, i, cfg, proto, seed)]
     sampling = {"temperature": 0.0 if greedy else cfg.temperature, "top_p": 1.0 if greedy else cfg.top_p}
-    if cfg.continuous and hasattr(engine, "run_continuous"):
+    beside = cfg.tool_workers > 0 and getattr(engine, "tp", 1) == 1  # a TP group's shared call stays in step
+    if cfg.continuous and hasattr(engine, "run_continuous") and beside:
+        with ThreadPoolExecutor(cfg.tool_workers, thread_name_prefix="tools") as pool:
+
+            def on_done_beside(done: list[tuple[Request, Completion]]) -> tuple[list[Request], list[Future]]:
+                """As on_done, but the tool call runs in the pool while the engine decodes the rest;
+                its results are appended (tokenised) back in the engine's thread (observe)."""
+                follow, pending = take(done)
+                acts = [act for _, act in pending]
+                return follow, [pool.submit(lambda: partial(observe, pending, _run_tools(tools, acts)))] * bool(pending)
+
+            engine.run_continuous(first, on_done_beside, **sampling)
+    elif cfg.continuous and hasattr(engine, "run_continuous"):
         engine.run_continuous(first, on_done, **sampling)
     else:
         run_in_turns(engine, first, on_done, **sampling)

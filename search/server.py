@@ -13,7 +13,7 @@
     POST /search    {"query": "Tavi Morek site:tinypedia.org", "topk": 5}   web_search (operators)
     POST /read      {"id": "p17", "max_tokens": 512}                          read one source
     GET  /health    {"status": "ok", "n_docs": ..., "requests": ..., "batches": ..., "dropped": ..., "answered": ...}
-                    (503 {"status": "corpus changed", "reason": "corpus ... changed since ..."})
+                    (503 {"status": "corpus changed" | "index changed", "reason": "... changed since ..."})
 
 Which peer's client each form follows (Search-R1 a14dc3a, verl b178a3c, SkyRL a956457, rLLM
 7982c508, ASearcher 813e804), file by file, and what differs from their own servers:
@@ -433,7 +433,8 @@ def add_lookups(app, index, limits: Limits, stats: dict) -> None:
     @app.get("/health")
     async def health():
         why = await asyncio.to_thread(index.guard.reason) if index.guard else None  # hashes: off the loop
-        status = {"status": "corpus changed", "reason": why} if why else {"status": "ok"}
+        changed = "corpus changed" if why and str(index.guard.corpus.path) in why else "index changed"
+        status = {"status": changed, "reason": why} if why else {"status": "ok"}
         return JSONResponse(status | {"n_docs": len(index.corpus), "method": index.meta["method"], **stats},
                             status_code=503 if why else 200)  # fmt: skip
 

@@ -119,7 +119,8 @@ def test_a_served_faiss_file_rewritten_or_cut_short_is_a_503_naming_it_never_a_s
             f.write((tmp_path / "other.index").read_bytes())
         assert users.stat().st_size == len(original)
         status, health = get(url + "/health")
-        assert status == 503 and f"index file {index_dir / 'faiss.index'} changed since index" in health["reason"]
+        assert status == 503 and health["status"] == "index changed", health
+        assert f"index file {index_dir / 'faiss.index'} changed since index" in health["reason"]
         assert health["reason"].endswith("was imported (sampled blocks differ): restore it, or import it again")
         status, body = post(url, ask)
         assert status == 503 and "faiss.index changed since index" in body["error"], body

@@ -90,6 +90,54 @@ def test_vllm_rollouts_search_and_keep_bookkeeping(vllm_engine, setup, micro):
 
 
 @pytest.mark.numeric
+def test_searches_beside_generation_give_the_same_records_whatever_their_latency(vllm_engine, setup, micro):
+    """rollout.tool_workers: each tool call runs in a thread while the engine decodes the others.
+    A search whose latency varies at random (0-40 ms, drawn from another seed each call) changes
+    which trajectories share each engine step, never a record: the same tokens, masks and finishes
+    as every call made in the engine's loop at 0 ms; the logprobs within the bound of another batch
+    shape, as turn by turn against continuous above."""
+    import random
+    import threading
+    import time
+
+    from rollout import rollout_batch
+
+    cfg, tok, questions, search_fn, _ = setup
+    threads, delays = set(), random.Random()
+
+    def slow_search(queries):
+        threads.add(threading.current_thread().name.split("_")[0])
+        time.sleep(delays.uniform(0, 0.04))
+        return search_fn(queries)
+
+    inline = rollout_batch(vllm_engine, tok, questions, 4, search_fn, replace(cfg.rollout, tool_workers=0), seed=3)
+    beside = rollout_batch(vllm_engine, tok, questions, 4, slow_search, replace(cfg.rollout, tool_workers=4), seed=3)
+    assert threads == {"tools"}, "every search ran in the pool, off the engine's loop"
+    assert sum(r["num_searches"] for r in beside) >= 16
+    lp = logprob_atol(model_vocab(micro[2]))
+    for a, b in zip(inline, beside):
+        assert (a["response_ids"], a["loss_mask"], a["finish"], a["tool_calls"]) == \
+            (b["response_ids"], b["loss_mask"], b["finish"], b["tool_calls"])  # fmt: skip
+        assert_close(b["logprobs"], a["logprobs"], rtol=0, atol=lp, what="searches beside vs in the loop")
+
+
+def test_a_search_that_fails_beside_generation_is_raised_and_leaves_no_request(vllm_engine, setup):
+    """A tool call's error (a RetrieverError after its retries) reaches the caller from the pool, and
+    the engine is left with no request of the failed rollout: the next rollout runs as usual."""
+    from rollout import rollout_batch
+
+    cfg, tok, questions, search_fn, _ = setup
+
+    def failing(queries):
+        raise RuntimeError("retriever down")
+
+    with pytest.raises(RuntimeError, match="retriever down"):
+        rollout_batch(vllm_engine, tok, questions, 4, failing, cfg.rollout, seed=3)
+    assert not vllm_engine.llm.llm_engine.has_unfinished_requests()
+    assert len(rollout_batch(vllm_engine, tok, questions[:2], 2, search_fn, cfg.rollout, seed=3)) == 4
+
+
+@pytest.mark.numeric
 def test_vllm_and_hf_agree_greedily(vllm_engine, setup, micro):
     from rollout import rollout_batch
 

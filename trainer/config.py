@@ -249,6 +249,11 @@ class RolloutConfig:
     # vLLM: each trajectory's next turn starts as soon as its own tool call returns (continuous
     # batching across turns); false: turn by turn, every trajectory waiting for the slowest of its turn
     continuous: bool = True
+    # with continuous: threads that run tool calls beside the engine, which keeps decoding the other
+    # trajectories while a search is answered (rollout.py); 0: each call in the engine's loop, which
+    # stops every trajectory of the rank for its length. A TP group (tensor_parallel_size > 1) calls in
+    # the loop, so its ranks stay in step. Records do not depend on it (per-request seeds).
+    tool_workers: int = 4
     # Several training processes (trainer/engine.py): "memory", each process's own vLLM engine in process
     # (vLLM's external_launcher), full weights loaded from memory; "file", each engine in a process
     # of its own, weights through a safetensors file in /dev/shm (the fallback)
@@ -591,6 +596,7 @@ RANGES = {
     "rollout.max_model_len": ">= 1",
     "rollout.max_queries_per_call": ">= 1",
     "rollout.tensor_parallel_size": ">= 1",
+    "rollout.tool_workers": ">= 0",
     "rollout.kv_block_size": ">= 0",
     "train.seed": ">= 0",
     "train.steps": ">= 1",

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,15 +235,24 @@ class VLLMEngine:
 
     def run_continuous(self, requests: list[Request], on_done, temperature: float, top_p: float) -> None:
         """Continuous batching across turns: queue `requests`; after every engine step, hand the
-        ones that finished in it to `on_done`, which runs their tool calls (one batched call) and
-        returns their next turns, queued at once while the others keep generating. No trajectory
-        waits for the slowest of its turn, and the engine never drains between turns."""
+        ones that finished in it to `on_done`, which returns their next turns, queued at once while
+        the others keep generating. No trajectory waits for the slowest of its turn, and the engine
+        never drains between turns.
+
+        on_done may also hand back tool calls still running beside the engine (rollout.tool_workers):
+        (requests, futures), each future resolving to a function that, called here, gives the next
+        turns of the trajectories it searched for. The engine then keeps decoding every other
+        trajectory while a search is answered, and waits on a future only when no request is left
+        to decode (the tail)."""
         from vllm import TokensPrompt
 
         engine = self.llm.llm_engine
         queued: dict[str, Request] = {}
+        running: set[Future] = set()
 
-        def add(reqs: list[Request]) -> None:
+        def add(out) -> None:
+            reqs, futures = out if isinstance(out, tuple) else (out, [])
+            running.update(futures)
             for r in reqs:
                 rid = f"{len(queued)}"
                 queued[rid] = r
@@ -250,10 +260,20 @@ class VLLMEngine:
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=r.prompt), params)
 
         add(requests)
-        while engine.has_unfinished_requests():
-            finished = [o for o in engine.step() if o.finished]
-            if finished:
-                add(on_done([(queued[o.request_id], self._completion(o)) for o in finished]))
+        try:
+            while engine.has_unfinished_requests() or running:
+                if engine.has_unfinished_requests():
+                    finished = [o for o in engine.step() if o.finished]
+                    if finished:
+                        add(on_done([(queued[o.request_id], self._completion(o)) for o in finished]))
+                else:  # nothing to decode until a search returns
+                    wait(running, return_when=FIRST_COMPLETED)
+                for f in [f for f in running if f.done()]:
+                    running.discard(f)
+                    add(f.result()())  # a tool call's error is raised here, in the engine's thread
+        finally:  # a failed call (RetrieverError) leaves no request behind for the next rollout
+            if engine.has_unfinished_requests():
+                engine.abort_request(list(queued))
 
     @staticmethod
     def _params(max_tokens: int, temperature: float, top_p: float, stop: list[str], seed: int | None):
