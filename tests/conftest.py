@@ -196,3 +196,18 @@ def bpe(tmp_path_factory):
 def chat_tok(tmp_path_factory):
     """A BPE with a Qwen2.5-style chat template (protocol_script.train_chat_tok)."""
     return train_chat_tok(tmp_path_factory)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs: a disk that really fills (ENOSPC from the kernel, at any write), or a /dev/shm
+    as small as Docker's. Mounting needs root (CI and sessions run as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -147,24 +147,7 @@ def test_the_sync_reloads_through_the_workers_reload_weights(vllm_engine, micro,
     assert vllm_engine.score(ids) == pytest.approx(before, abs=1e-5)
 
 
-@pytest.fixture
-def small_shm(tmp_path):
-    """A 4 MiB tmpfs standing in for Docker's small /dev/shm (ENOSPC from the kernel)."""
-    import os
-    import subprocess
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "shm"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
-
-
-def test_the_file_sync_writes_one_tensor_at_a_time_and_checks_the_space_first(small_shm, monkeypatch):
+def test_the_file_sync_writes_one_tensor_at_a_time_and_checks_the_space_first(small_disk, monkeypatch):
     """vllm_setup.write_weight_files: one file per tensor, read back in order and equal; on a 4 MiB
     tmpfs a tensor that does not fit stops with one line naming the directory, before writing it
     (the margin is set to 0 here, the tmpfs being smaller than the real 64 MB margin)."""
@@ -172,9 +155,9 @@ def test_the_file_sync_writes_one_tensor_at_a_time_and_checks_the_space_first(sm
 
     monkeypatch.setattr(vllm_setup, "SHM_MARGIN", 0)
     small = [(f"w{i}", torch.full((64, 64), float(i))) for i in range(3)]  # 16 KB each
-    paths = vllm_setup.write_weight_files(iter(small), small_shm)
+    paths = vllm_setup.write_weight_files(iter(small), small_disk)
     assert [p.name for p in paths] == ["000000.safetensors", "000001.safetensors", "000002.safetensors"]
-    back = list(vllm_setup.read_weight_files(small_shm))
+    back = list(vllm_setup.read_weight_files(small_disk))
     assert [n for n, _ in back] == ["w0", "w1", "w2"] and all(torch.equal(a, b) for (_, a), (_, b) in zip(back, small))
     for p in paths:
         p.unlink()
@@ -185,9 +168,9 @@ def test_the_file_sync_writes_one_tensor_at_a_time_and_checks_the_space_first(sm
             seen.append(i)
             yield f"big{i}", torch.zeros(384, 1024)  # 1.5 MiB each: the third does not fit beside two
 
-    with pytest.raises(OSError, match=rf"{small_shm}: \d+ MB free, big\d needs"):
-        vllm_setup.write_weight_files(stream(), small_shm)
-    assert seen == [0, 1, 2] and not (small_shm / "000002.safetensors").exists()
+    with pytest.raises(OSError, match=rf"{small_disk}: \d+ MB free, big\d needs"):
+        vllm_setup.write_weight_files(stream(), small_disk)
+    assert seen == [0, 1, 2] and not (small_disk / "000002.safetensors").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ Issue "Nothing silent", cases 3 and 4, on real bm25s / faiss builds:
 import json
 import os
 import shutil
-import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -151,20 +150,6 @@ def test_a_corpus_rewritten_under_the_server_is_a_503_and_health_says_why(people
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs: a disk that really fills (ENOSPC from the kernel, at any write)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 def leave_free(disk: Path, pages: int) -> None:
