@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tool_loop.py --config configs/tiny.yaml            # 32 x 8, 3 reps
     python benchmarks/bench_tool_loop.py --config configs/smollm2.yaml --questions 16 --group 5
+    python benchmarks/bench_tool_loop.py --config configs/quickstart.yaml --latency-ms 0 20 100   # issue 52
 
 One vLLM engine, side by side in each repetition (the order rotates):
   * `turns`: rollout.continuous false, every trajectory of a turn waits for the slowest one,
@@ -16,6 +17,14 @@ Rollout tokens/s counts policy tokens (loss_mask 1) over the whole loop's wall t
 included. The report is the median of each and the ratios; `same_token_ids` says whether the
 two schedules gave the same token ids and masks, `max_logprob_gap` how far their logprobs
 differ (prefix-cached KV against recomputed KV: fp32 rounding).
+
+--latency-ms L1 L2 ..: the search's latency hidden or not. Each batched search call sleeps L ms
+(a retrieval server's e5 encode + faiss search on the box: tens to hundreds of ms), and each
+repetition runs, side by side, for every L: `loop` (rollout.tool_workers 0, every call made in the
+engine's loop, which stops every trajectory for its length) and `beside` (tool_workers 4: the
+engine decodes the others meanwhile), then `pure+obs` once. The report: each one's tokens/s over
+pure+obs, and over its own ratio at the first L (issue 52's acceptance: beside >= 0.95 of its 0 ms
+ratio at 20 ms, >= 0.90 at 100 ms).
 """
 
 import argparse
@@ -24,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -63,6 +73,43 @@ def compare(a: list[dict], b: list[dict]) -> tuple[bool, float]:
     return same and len(a) == len(b), gap
 
 
+def latency_sweep(engine, tok, questions: list[dict], group: int, search_fn: Callable, rollout_cfg, reps: int,
+                  latencies: list[float]) -> dict:  # fmt: skip
+    """Tokens/s of the tool loop with each search call L ms slower, in the loop and beside the
+    engine, over pure generation with the observations prefilled (module docstring)."""
+    speeds: dict[str, list[float]] = {"pure+obs": []}
+    calls: list[int] = []
+    for rep in range(reps):
+        runs = [(mode, ms) for ms in latencies for mode in ("loop", "beside")]
+        records = None
+        for mode, ms in runs if rep % 2 == 0 else runs[::-1]:
+            n = [0]
+
+            def slow(queries: list[str], ms: float = ms, n: list = n) -> list[str]:
+                n[0] += 1
+                time.sleep(ms / 1000)
+                return search_fn(queries)
+
+            engine.llm.reset_prefix_cache()
+            rcfg = replace(rollout_cfg, continuous=True, tool_workers=4 if mode == "beside" else 0)
+            t = time.perf_counter()
+            recs = rollout_batch(engine, tok, questions, group, slow, rcfg, seed=rep)
+            dt = time.perf_counter() - t
+            speeds.setdefault(f"{mode} {ms:g} ms", []).append(sum(sum(r["loss_mask"]) for r in recs) / dt)
+            calls.append(n[0])
+            if mode == "beside" and ms == latencies[0]:
+                records = recs  # pure+obs generates these rollouts' tokens
+        engine.llm.reset_prefix_cache()
+        dt = pure_generation(engine, records, rep, with_observations=True)
+        speeds["pure+obs"].append(sum(sum(r["loss_mask"]) for r in records) / dt)
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    over = {k: v / med["pure+obs"] for k, v in med.items() if k != "pure+obs"}
+    first = f"{latencies[0]:g} ms"
+    return {"tokens_per_s": med, "all": speeds, "over_pure_obs": over,
+            "over_own_first_latency": {k: v / over[f"{k.split()[0]} {first}"] for k, v in over.items()},
+            "batched_calls_per_rollout": statistics.median(calls)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml", help="config whose policy, world and rollout to use")
@@ -70,6 +117,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="rollouts per question")
     parser.add_argument("--reps", type=int, default=3, help="repetitions; each runs all four, the order alternating")
     parser.add_argument("--out", default="", help="also write the JSON report to this file")
+    parser.add_argument("--latency-ms", type=float, nargs="+", default=[],
+                        help="instead: each search call L ms slower, in the loop and beside the engine")  # fmt: skip
     args = parser.parse_args()
     cfg = load_config(args.config)
     precision.resolve(cfg)
@@ -86,6 +135,14 @@ def main() -> None:
     retrieve_share: dict[str, list[float]] = {"turns": [], "continuous": []}
     same_ids, gaps, records = [], [], {}
     rollout_batch(engine, tok, questions[:4], 2, search_fn, cfg.rollout, seed=999)  # warm-up: compile, caches
+    if args.latency_ms:
+        report = {"config": args.config, "questions": args.questions, "group": args.group, "reps": args.reps,
+                  **latency_sweep(engine, tok, questions, args.group, search_fn, cfg.rollout, args.reps,
+                                  args.latency_ms), "machine": precision.machine()}  # fmt: skip
+        print(json.dumps(report, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        return
     for rep in range(args.reps):
         names = ["turns", "continuous"] if rep % 2 == 0 else ["continuous", "turns"]
         names += ["pure", "pure+obs"] if rep % 2 == 0 else ["pure+obs", "pure"]  # they need this rep's records
