@@ -56,6 +56,7 @@ from report.viewer import main as viewer_main
 from report.viewer import write_viewer
 from rewards import score, source_restricting
 from rollout import check_chat_template, render_prompt, rollout_batch, tokenize_segments
+from search.meta import check_index
 from search.tools import check_retriever, make_search_fn
 from trainer.batching import continuation_logprobs
 from trainer.config import Config, ConfigError, DataError, load_config
@@ -342,7 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         cfg = resolve_precision(load_config(args.config, args.set))
-    except (ConfigError, FileNotFoundError) as e:
+        check_index(cfg.retriever)  # retriever.index is there and takes search_params: before anything slow
+    except (ConfigError, DataError, FileNotFoundError) as e:
         parser.error(str(e))
     print(describe_precision(cfg), flush=True)
     models = []

@@ -14,7 +14,6 @@ stage back into the parts (resume_state).
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -26,10 +25,10 @@ from agent.bapo import BapoState
 from agent.judge import make_judge
 from data import check_prompt_lengths, data_paths, ensure_policy, passage_lookup
 from rollout import check_chat_template
-from search.index import check_encoder
+from search.meta import check_index
 from search.tools import check_retriever, make_search_fn
 from trainer.checkpoint import load_checkpoint_file, load_trainer_state
-from trainer.config import Config, ConfigError, DataError, RetrieverConfig, shown
+from trainer.config import Config, ConfigError
 from trainer.constraints import parse_constraints
 from trainer.constraints import restore as restore_constraints
 from trainer.distributed import (
@@ -173,87 +172,6 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
         resume_state(p, resume_from)
     p.trackers = open_trackers(cfg, run, resumed=resume_from is not None) if rank == 0 else []
     return p
-
-
-# faiss's search parameters (faiss.ParameterSpace, AutoTune.cpp; 1.15.1): name -> (the index kinds
-# that take it, as a factory string or imported class name spells them, and its least value).
-# faiss itself accepts nprobe=0, -1 or 1.5 without a word, and refuses a name the index lacks only
-# when the index loads, after the engine started: so they are read here.
-SEARCH_PARAMS = {
-    "nprobe": (("IVF",), 1),  # inverted lists visited per query
-    "max_codes": (("IVF",), 0),  # codes scanned per query; 0: no cap
-    "efSearch": (("HNSW",), 1),  # HNSW's search queue (also an IVF's HNSW quantizer)
-    "ht": (("PQ",), 0),  # polysemous Hamming threshold
-    "k_factor_rf": (("RFlat", "Refine"), 1),  # refinement: k x this candidates re-ranked
-    "k_factor": (("PQR",), 1),
-}
-
-
-def search_params(text: str, key: str = "retriever.search_params") -> dict[str, float]:
-    """`nprobe=32,efSearch=64` -> {"nprobe": 32, "efSearch": 64}: each a name faiss knows (a
-    `quantizer_` prefix: an IVF's quantizer) with a value at or above its least (an integer; the
-    k_factors a finite number); anything else is a ConfigError naming `key`."""
-    out = {}
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        name, eq, raw = item.partition("=")
-        base = name.strip().removeprefix("quantizer_")
-        if not eq or base not in SEARCH_PARAMS:
-            raise ConfigError(f"config key '{key}' takes name=value pairs with the names "
-                              f"{', '.join(SEARCH_PARAMS)} (faiss's search parameters); got {shown(item)}")  # fmt: skip
-        least, number = SEARCH_PARAMS[base][1], float if base.startswith("k_factor") else int
-        try:
-            value = number(raw.strip())
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value < least:
-            what = "an integer" if number is int else "a number"
-            raise ConfigError(f"config key '{key}': {name.strip()} must be {what} >= {least}; got {shown(raw)}")
-        out[name.strip()] = value
-    return out
-
-
-def check_index(rcfg: RetrieverConfig) -> None:
-    """The in-process index a run will open, read before anything slow: `retriever.index` holds a
-    complete index (its meta.json), and each of `retriever.search_params` is one its faiss index
-    takes (SEARCH_PARAMS; the index's factory string or imported class, else the default
-    index's retriever.method and retriever.index_factory). Unchecked, both failed after vLLM had
-    started and taken its KV cache (a missing index 99 s in; a bad parameter as faiss's traceback).
-    A server (`retriever.url`) searches with its own index and parameters: nothing to read here.
-    Its encoder (check_encoder) too; what is left for load_index is reading the files themselves."""
-    if rcfg.url:
-        return
-    method, factory = rcfg.method, rcfg.index_factory
-    if rcfg.index:
-        meta_path = Path(rcfg.index) / "meta.json"
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"retriever.index {rcfg.index}: no index there (no {meta_path}); build it with "
-                                    "`retriever.py build` or `retriever.py import`")  # fmt: skip
-        try:
-            meta = json.loads(meta_path.read_text())
-            method, factory = meta["method"], (meta.get("dense") or {}).get("index_factory", "")
-            complete, dense = meta.get("complete"), meta.get("dense")
-            if dense is not None and not {"model", "family"} <= set(dense):  # what check_encoder reads
-                raise KeyError("dense.model, dense.family")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DataError(f"retriever.index {rcfg.index}: cannot read {meta_path} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''})") from None  # fmt: skip
-        if not complete:
-            raise DataError(f"retriever.index {rcfg.index} is a partial build; run the same build command again")
-        check_encoder(meta, rcfg.model, rcfg.encoder_family, Path(rcfg.index))  # embedded by another encoder
-    params = search_params(rcfg.search_params)
-    if params and method == "bm25":
-        raise ConfigError(f"retriever.search_params {shown(rcfg.search_params)} sets faiss parameters, but the index "
-                          "is bm25 (no faiss index to take them): leave it empty, or use a dense or hybrid one")
-    wrapped = factory.endswith("(imported)") and any(w in factory for w in ("PreTransform", "IDMap", "Shards",
-                                                                             "Replicas", "Refine"))  # fmt: skip
-    for name in params if not wrapped else ():  # a wrapper's inner index is not named: faiss judges it
-        needs = SEARCH_PARAMS[name.removeprefix("quantizer_")][0]
-        if name.startswith("quantizer_"):
-            needs = ("IVF",)
-        if not any(kind in factory for kind in needs):
-            raise ConfigError(f"retriever.search_params: {name} is for a faiss index of kind "
-                              f"{' or '.join(needs)}; the index is {factory!r}"
-                              f"{' (' + rcfg.index + ')' if rcfg.index else ' (retriever.index_factory)'}")  # fmt: skip
 
 
 def resume_state(p: RunParts, resume_from: Path) -> None:

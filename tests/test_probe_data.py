@@ -13,12 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import eval as eval_script
 import prepare_data
 import run_setup
 import train
 from data import data_paths
-from run_setup import check_index, search_params
 from search.index import default_encoder_path
+from search.meta import check_index, search_params
 from trainer.config import MAX_NODES, ConfigError, DataError, load_config
 from trainer.questions import load_questions
 from trainer.rundir import discard_unstarted, own_run_dir
@@ -291,6 +292,22 @@ def test_train_refuses_a_bad_index_before_any_engine_and_leaves_no_run_dir(micro
         train.main(argv)
     assert str(e.value.code).startswith("error: ") and says.format(tmp=tmp_path) in str(e.value.code), e.value.code
     assert not runs.exists() or not os.listdir(runs), os.listdir(runs)  # the refused run left no directory
+
+
+def test_eval_refuses_a_missing_index_before_any_engine(micro, tmp_path, monkeypatch, capsys):
+    """eval.py too: a missing retriever.index or a search parameter the index cannot take is one
+    line before its engine starts (at fcae7e2, after; the engine here fails the test if built)."""
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was built before the refusal")
+
+    monkeypatch.setattr(eval_script, "make_engine", no_engine)
+    for sets, says in [(f"retriever.index={tmp_path}/nowhere", f"retriever.index {tmp_path}/nowhere: no index there"),
+                       ("retriever.search_params=nprobe=4", "but the index is bm25")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            eval_script.main(["--config", str(micro[0]), "--set", sets, "--model", f"sft={micro[2]}",
+                              "--out", str(tmp_path / "out")])  # fmt: skip
+        said = capsys.readouterr().err
+        assert says in said.strip().splitlines()[-1], said  # argparse's usage, then the one line
 
 
 def test_a_refused_train_leaves_no_run_dir_and_a_refused_resume_keeps_its_own(tmp_path):
