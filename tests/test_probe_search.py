@@ -16,12 +16,11 @@ client against a real HTTP server on 127.0.0.1.
 import json
 import re
 import shutil
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_index_integrity import get
 from test_retriever_client import canned, raw_server
 from test_server import post, start_server
 
@@ -55,14 +54,6 @@ def faiss_file(path: Path, n: int = N, seed: int = 0, factory: str = "Flat", ids
         index.add_with_ids(x, np.asarray(ids, dtype=np.int64))
     faiss.write_index(index, str(path))
     return path
-
-
-def get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")
