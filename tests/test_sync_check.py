@@ -61,5 +61,5 @@ def test_a_corrupted_sync_is_caught_in_one_line_at_its_step(micro, tmp_path, mon
 
 
 def test_a_negative_sync_check_every_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="train.sync_check_every"):
+    with pytest.raises(ConfigError, match="config key .train.sync_check_every. must be >= 0; got -1"):
         load_config(None, ["train.sync_check_every=-1"])
