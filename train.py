@@ -132,6 +132,7 @@ from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
 from trainer.reward_spec import judge_note
 from trainer.rundir import check_resume_config, discard_unstarted, own_run_dir
+from trainer.sync_check import check_sync, probe_dtypes, probe_ids, sync_bound, trainer_probe_logprobs
 from trainer.tracking import (
     check_report_to,
     close_trackers,
@@ -191,7 +192,16 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             raise TrainingFault(f"{said}. {resume_hint(run)}") from None
         times["train"], t0 = time.time() - t0, time.time()
         gpu["train"] = stage_peak_gib(p.world)  # rewards and the update
+        every = cfg.train.sync_check_every
+        probe = probe_ids(records[0]) if every > 0 and (step + 1) % every == 0 else None
+        expected = trainer_probe_logprobs(p.model, probe) if probe else None  # before the model may go to the host
         sync_stage(p)  # 6. the new weights into the engine(s)
+        if probe:  # the engine serves the trainer's weights, or one line (trainer/sync_check.py)
+            bound = sync_bound(probe_dtypes(p.model, cfg, p.world), p.model.config.vocab_size)
+            try:
+                check_sync(p.engine, probe, expected, bound, step + 1, p.world)
+            except TrainingFault as e:
+                raise TrainingFault(f"{e}. {resume_hint(run)}") from None
         times["sync"] = slowest(time.time() - t0, p.world)
         gpu["sync"] = stage_peak_gib(p.world)
         row = step_row(p, step, records, stats, constraint_row | counts, times) if p.main else {}

@@ -374,6 +374,10 @@ class TrainConfig:
     # run stops naming the process that stopped answering; torch's own default is 30 min.
     dist_timeout: float = 600.0
     eval_every: int = 10
+    # After each N-th sync the engine's and the trainer's logprobs on a 48-token probe are compared
+    # (trainer/sync_check.py): a failed sync stops the run. 0: never. Micro world: 0.006 s (hf) /
+    # 0.011 s (vLLM) a step, beside steps of 0.7 / 0.5 s; counted in the step's sync time.
+    sync_check_every: int = 1
     save_every: int = 10  # checkpoint every N steps (0: only at the end)
     samples_per_step: int | str = 4  # trajectories written to samples/ each step; all: every rollout (to audit masks)
     run_dir: str = "runs"
@@ -636,6 +640,7 @@ RANGES = {
     "train.judge_concurrency": ">= 1",
     "train.judge_max_failure_rate": "[0, 1]",  # a share of the step's verdicts
     "train.eval_every": ">= 0",  # 0: never
+    "train.sync_check_every": ">= 0",  # 0: never
     "train.save_every": ">= 0",  # 0: only at the end
     "train.samples_per_step": ">= 0",
     "eval.max_questions": ">= 0",  # 0: all
