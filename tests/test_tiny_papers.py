@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.judge import RuleJudge, entities, make_judge  # noqa: E402
+from tiny.report import finish_report  # noqa: E402
 from tiny.world import Habits, generate_world, teacher_segments, world_key, write_jsonl  # noqa: E402
 from trainer.config import ConfigError, WorldConfig, load_config  # noqa: E402
 
@@ -462,3 +463,13 @@ def test_a_protocol_world_builds_and_trains_end_to_end(tmp_path):
     assert {"<read>", "<result>", "<confidence>"} <= {t["content"] for t in tok["added_tokens"]}
     rows = [json.loads(x) for x in next((tmp_path / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
     assert "reward/reliability" in rows[-1] and "lambda/reliability" in rows[-1] and rows[-1]["step"] == 1
+
+
+def test_a_report_names_its_runs_relative_to_the_repository(tmp_path):
+    """finish_report: a committed report never names one checkout's absolute path (results/*.md
+    named /work/main/runs/... before); a run directory outside the repository stays as given."""
+    out = tmp_path / "report.md"
+    finish_report(out, ["# r"], [], ROOT / "runs" / "reproduce-x", tmp_path / "r.json", {})
+    assert "`runs/reproduce-x` (not committed)" in out.read_text() and str(ROOT) not in out.read_text()
+    finish_report(out, ["# r"], [], tmp_path / "elsewhere", tmp_path / "r.json", {})
+    assert f"`{tmp_path / 'elsewhere'}`" in out.read_text()

@@ -102,10 +102,23 @@ def mean_spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {max(values) - min(values):.3f}"
 
 
+def repo_relative(path: Path) -> str:
+    """A path as a committed report shows it: relative to the repository when inside it (a report
+    must not name one checkout's absolute path), else as given.
+
+    >>> repo_relative(Path(__file__).resolve().parents[1] / "runs" / "r1")
+    'runs/r1'
+    """
+    try:
+        return str(Path(path).resolve().relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return str(path)
+
+
 def finish_report(out: Path, lines: list[str], curves: list[Path], run_dir: Path, data_path: Path, data: dict) -> None:
     """Append the curves and where the runs are, write the markdown, and the numbers as JSON."""
     lines = lines + [f"![{p.stem}](curves/{p.name})" for p in curves]
-    lines += ["", f"Runs, logs, rollouts and the trajectory viewer: `{run_dir}` (not committed).", ""]
+    lines += ["", f"Runs, logs, rollouts and the trajectory viewer: `{repo_relative(run_dir)}` (not committed).", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     data_path.write_text(json.dumps(data, indent=1, default=str))
