@@ -13,12 +13,11 @@ the meta.json and the search parameters a run's config names, before anything sl
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from search.dense import ENCODER_FAMILIES, check_encoder
-from search.files import corrupt
+from search.files import corrupt, read_json
 from trainer.config import ConfigError, DataError, RetrieverConfig, shown
 
 METHODS = ("bm25", "dense", "hybrid")
@@ -131,17 +130,11 @@ def check_index(rcfg: RetrieverConfig) -> None:
         if not meta_path.is_file():
             raise FileNotFoundError(f"retriever.index {rcfg.index}: no index there (no {meta_path}); build it with "
                                     "`retriever.py build` or `retriever.py import`")  # fmt: skip
-        try:
-            meta = json.loads(meta_path.read_text())
-            method, factory = meta["method"], (meta.get("dense") or {}).get("index_factory", "")
-            complete, dense = meta.get("complete"), meta.get("dense")
-            if dense is not None and not {"model", "family"} <= set(dense):  # what check_encoder reads
-                raise KeyError("dense.model, dense.family")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DataError(f"retriever.index {rcfg.index}: cannot read {meta_path} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''})") from None  # fmt: skip
-        if not complete:
+        meta = read_json(meta_path)  # as load_index reads it: a bad file is one line naming it
+        if not meta.get("complete"):
             raise DataError(f"retriever.index {rcfg.index} is a partial build; run the same build command again")
+        check_meta(meta, meta_path)
+        method, factory = meta["method"], str((meta.get("dense") or {}).get("index_factory", ""))
         check_encoder(meta, rcfg.model, rcfg.encoder_family, Path(rcfg.index))  # embedded by another encoder
     params = search_params(rcfg.search_params)
     if params and method == "bm25":

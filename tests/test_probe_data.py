@@ -239,7 +239,8 @@ def write_meta(index: Path, method: str, factory: str = "") -> Path:
     not read before the engine)."""
     index.mkdir(parents=True, exist_ok=True)
     dense = {"model": default_encoder_path(), "family": "minilm", "index_factory": factory}
-    meta = {"method": method, "complete": True} | ({"dense": dense} if factory else {})
+    meta = {"method": method, "complete": True, "n_docs": 2, "corpus": "corpus.jsonl", "corpus_bytes": 10,
+            "id_checks": [[0, "p0"]]} | ({"dense": dense} if factory else {})  # fmt: skip
     (index / "meta.json").write_text(json.dumps(meta))
     return index
 
