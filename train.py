@@ -192,16 +192,10 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             raise TrainingFault(f"{said}. {resume_hint(run)}") from None
         times["train"], t0 = time.time() - t0, time.time()
         gpu["train"] = stage_peak_gib(p.world)  # rewards and the update
-        every = cfg.train.sync_check_every
-        probe = probe_ids(records[0]) if every > 0 and (step + 1) % every == 0 else None
-        expected = trainer_probe_logprobs(p.model, probe) if probe else None  # before the model may go to the host
-        sync_stage(p)  # 6. the new weights into the engine(s)
-        if probe:  # the engine serves the trainer's weights, or one line (trainer/sync_check.py)
-            bound = sync_bound(probe_dtypes(p.model, cfg, p.world), p.model.config.vocab_size)
-            try:
-                check_sync(p.engine, probe, expected, bound, step + 1, p.world)
-            except TrainingFault as e:
-                raise TrainingFault(f"{e}. {resume_hint(run)}") from None
+        try:
+            sync_stage(p, step, records)  # 6. the new weights into the engine(s), checked there
+        except TrainingFault as e:  # the engine does not serve them (train.sync_check_every)
+            raise TrainingFault(f"{e}. {resume_hint(run)}") from None
         times["sync"] = slowest(time.time() - t0, p.world)
         gpu["sync"] = stage_peak_gib(p.world)
         row = step_row(p, step, records, stats, constraint_row | counts, times) if p.main else {}
@@ -329,9 +323,14 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
                     **({"truncated_masked": 1 - len(trained) / len(records)} if cfg.train.mask_truncated else {})}
 
 
-def sync_stage(p: RunParts) -> None:
+def sync_stage(p: RunParts, step: int, records: list[dict]) -> None:
     """6. The new weights into the engine: LoRA's merged into fresh tensors (the policy is never
-    touched); several processes: each gathers the full tensors, one at a time, into its own engine."""
+    touched); several processes: each gathers the full tensors, one at a time, into its own engine.
+    Every train.sync_check_every steps, the engine is then shown to serve them: its logprobs on a
+    probe (the step's first rollout) against the trainer's, or a TrainingFault (trainer/sync_check.py)."""
+    every = p.cfg.train.sync_check_every
+    probe = probe_ids(records[0]) if every > 0 and (step + 1) % every == 0 else None
+    expected = trainer_probe_logprobs(p.model, probe) if probe else None  # before the model may go to the host
     if p.cfg.train.lora_rank > 0:
         weights = merged_weights(p.model)
     else:
@@ -343,6 +342,9 @@ def sync_stage(p: RunParts) -> None:
     models, optimizers = [p.model, p.ref, p.critic], [p.optimizer, p.critic_opt]
     to_host = (lambda: offload_to_host(models, optimizers)) if phase_offload(p.cfg, p.world) else None
     p.engine.load_weights(weights, before_kv_cache=to_host)
+    if probe:
+        bound = sync_bound(probe_dtypes(p.model, p.cfg, p.world), p.model.config.vocab_size)
+        check_sync(p.engine, probe, expected, bound, step + 1, p.world)
 
 
 def step_row(p: RunParts, step: int, records: list[dict], stats: dict, constraint_row: dict, times: dict) -> dict:
