@@ -48,6 +48,8 @@ from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engin
 from trainer.faults import wait_for_main
 from trainer.grpo import memory_savers
 from trainer.lora import add_lora, load_lora
+from trainer.overlap import Pipeline
+from trainer.overlap import restore as restore_in_flight
 from trainer.ppo import critic_optimizer, load_critic, load_sharded_critic
 from trainer.questions import first_of_each_benchmark, load_questions
 from trainer.tracking import open_trackers
@@ -84,6 +86,8 @@ class RunParts:
     trackers: list = field(default_factory=list)
     engine_gib: float = 0.0  # GPU memory torch counted for the engine when it started (vLLM's weights, KV cache)
     given: dict = field(default_factory=dict)  # what every reward is given besides the judge (rewards.py)
+    pipe: Pipeline | None = None  # train.overlap: the engine's policy version, the rollout in flight
+    timeline: Path | None = None  # run/timeline.jsonl (rank 0): each stage's start and end (trainer/overlap.note)
 
     @property
     def main(self) -> bool:
@@ -105,6 +109,10 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
                           f"with {world} processes")  # fmt: skip
     if lora_on and world > 1:
         raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
+    overlap = cfg.train.overlap and cfg.train.max_staleness > 0  # max_staleness 0: the synchronous loop
+    if overlap and (world > 1 and cfg.rollout.weight_sync == "memory" or tp > 1):
+        raise ConfigError("train.overlap runs each rank's engine in a process of its own (tensor_parallel_size 1): "
+                          "set rollout.weight_sync: file (docs/overlap.md)")  # fmt: skip
     torch.manual_seed(cfg.train.seed)
     # read before the engine starts: vLLM CPU sets LOCAL_WORLD_SIZE to its tensor-parallel size
     # in this process (vllm/platforms/cpu.py), which a 2-process launch then reads as 1
@@ -133,8 +141,8 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     # launcher's processes; "file": each engine in a process of its own (trainer/engine.py)
     engine = make_engine(
         cfg.rollout.engine, start_dir, cfg.rollout, cfg.model.dtype, seed=cfg.train.seed,
-        separate_process=world > 1 and cfg.rollout.weight_sync == "file",
-        launcher=world > 1 and cfg.rollout.weight_sync == "memory",
+        separate_process=(world > 1 and cfg.rollout.weight_sync == "file") or overlap,
+        launcher=world > 1 and cfg.rollout.weight_sync == "memory" and not overlap,
     )  # before bm25s
     engine_gib = (torch.cuda.memory_allocated() - before) / 2**30 if torch.cuda.is_available() else 0.0
     search_fn = make_search_fn(cfg, paths["corpus"], timings)
@@ -168,6 +176,8 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     # the rewards' tools: StepSearch's gold passages, IG-Search's scorer (the policy, no gradient)
     p.given = {"passage": passage_lookup(paths["corpus"]),
                "answer_logprob": answer_logprob_fn(model, tokenizer, cfg.train.micro_batch_tokens, cfg.train.bf16)}
+    p.timeline = run / "timeline.jsonl" if rank == 0 else None
+    p.pipe = Pipeline(version=0, timeline=p.timeline) if overlap else None
     if resume_from is not None:
         resume_state(p, resume_from)
     p.trackers = open_trackers(cfg, run, resumed=resume_from is not None) if rank == 0 else []
@@ -181,6 +191,9 @@ def resume_state(p: RunParts, resume_from: Path) -> None:
     if p.critic_opt is not None:
         p.critic_opt.load_state_dict(load_checkpoint_file(resume_from / f"critic_optimizer.rank{p.rank}.pt"))
     p.step0, p.order = state["step"], state["order"]
+    if p.pipe is not None:  # the engine starts on the checkpoint's weights; its rollout in flight, finished
+        p.pipe.version = p.step0
+        restore_in_flight(p.pipe, state.get("in_flight"))
     p.rng.setstate(state["data_rng"])
     restore_constraints(p.constraints, state["constraints"])
     if p.bapo is not None:

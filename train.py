@@ -126,6 +126,7 @@ from trainer.faults import (
 from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, rft_select, rft_step
 from trainer.judging import check_judge, judge_counts, judge_row
 from trainer.lora import merged_weights
+from trainer.overlap import check_staleness, collect, in_flight_state, note, settle, start
 from trainer.plan import print_plan
 from trainer.ppo import ppo_update
 from trainer.precision import describe as describe_precision
@@ -169,7 +170,8 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
                disable=not p.main)  # fmt: skip
     for step in bar:
         raise_if_interrupted()  # a Ctrl-C whose first raise a __del__ swallowed (faults.stop_on_signals)
-        p.timings.clear()
+        if p.pipe is None:  # train.overlap: a rollout in flight counts its searches itself (overlapped_rollout)
+            p.timings.clear()
         for group in p.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         switch_on(p.constraints, step, cfg.train.steps)
@@ -177,32 +179,32 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
         judged_before = judge_counts(p.judge)
         try:
             records, counts = rollout_stage(p, step)  # 1. roll out (and, with filter_groups, score and refill)
-            retrieve = p.timings.get("retrieve", 0.0)
-            times = {"generate": slowest(time.time() - t0 - retrieve, p.world),
-                     "retrieve": slowest(retrieve, p.world)}  # fmt: skip
+            times = rollout_times(p, step, t0)
             gpu["generate"] = stage_peak_gib(p.world)
             t0 = time.time()
             if phase_offload(cfg, p.world):  # vLLM asleep: the training state back for rewards (KL) and update
                 load_to_device([p.model, p.ref, p.critic], [p.optimizer, p.critic_opt], compute_device(p.model))
             constraint_row = reward_stage(p, records, judged_before, scored=cfg.train.filter_groups)  # 2. rewards
-            times["reward"], t0 = time.time() - t0, time.time()
+            times["reward"], t0 = time.time() - t0, note(p.timeline, step, "trainer", "reward", t0, time.time())
             stats = update_stage(p, records, step)  # 3-5. advantages, loss, optimizer steps
         except TrainingFault as e:  # a bad reward, a NaN loss or gradient: stop before it reaches a checkpoint
             said = str(e) if str(e).startswith(f"step {step + 1}:") else f"step {step + 1}: {e}"  # engine's has it
             raise TrainingFault(f"{said}. {resume_hint(run)}") from None
-        times["train"], t0 = time.time() - t0, time.time()
+        times["train"], t0 = time.time() - t0, note(p.timeline, step, "trainer", "train", t0, time.time())
         gpu["train"] = stage_peak_gib(p.world)  # rewards and the update
-        try:
-            sync_stage(p, step, records)  # 6. the new weights into the engine(s), checked there
-        except TrainingFault as e:  # the engine does not serve them (train.sync_check_every)
-            raise TrainingFault(f"{e}. {resume_hint(run)}") from None
-        times["sync"] = slowest(time.time() - t0, p.world)
+        if p.pipe is None:  # train.overlap syncs when the engine is idle: in the next step's rollout_stage
+            checked_sync(p, step, records)  # 6. the new weights into the engine(s), checked there
+            times["sync"] = slowest(time.time() - t0, p.world)
         gpu["sync"] = stage_peak_gib(p.world)
         row = step_row(p, step, records, stats, constraint_row | counts, times) if p.main else {}
         if torch.cuda.is_available() and p.main:
             row["gpu_peak_gib"] = gpu
         if cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+            if p.pipe is not None:  # the rollout in flight finished first, then this step's weights in
+                settle_and_sync(p, step, records)
+            t0 = time.time()
             ev = run_eval(p)  # every rank: each evaluates its share, all update the same state
+            note(p.timeline, step, "trainer", "eval", t0, time.time())
             after_eval(p, ev)
             row["eval"] = ev
         if p.main:
@@ -212,7 +214,11 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             track(p.trackers, row)
             bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
         if (cfg.train.save_every > 0 and (step + 1) % cfg.train.save_every == 0) or step + 1 == cfg.train.steps:
+            if p.pipe is not None:  # the checkpoint keeps the rollout in flight, finished (trainer/overlap.py)
+                settle(p.pipe, lambda mine: gather_lists(mine, p.world, every=p.tp))
+            t0 = time.time()
             save_stage(p, step)
+            note(p.timeline, step, "trainer", "save", t0, time.time())
     close_trackers(p.trackers)
     p.engine.close()
     close(p.world)  # the process group: several processes exit cleanly (distributed.close says why)
@@ -222,20 +228,28 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
 def roll_out(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
     """Each engine rolls out its block of qs (whole groups); every rank gets all the records, in
     the order of qs, as one process would have them."""
+    return gather_lists(roll_out_mine(p, qs, seed), p.world, every=p.tp)
+
+
+def roll_out_mine(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
+    """This engine's block of qs rolled out; no collective (train.overlap runs it in a thread)."""
     mine = my_share(qs, p.rank // p.tp, p.world // p.tp)
-    records = rollout_batch(p.engine, p.tokenizer, mine, p.cfg.train.group_size, p.search_fn, p.cfg.rollout, seed=seed,
-                            group_prefix=p.cfg.data.name + ":")  # fmt: skip
-    return gather_lists(records, p.world, every=p.tp)
+    return rollout_batch(p.engine, p.tokenizer, mine, p.cfg.train.group_size, p.search_fn, p.cfg.rollout, seed=seed,
+                         group_prefix=p.cfg.data.name + ":")  # fmt: skip
 
 
 def rollout_stage(p: RunParts, step: int) -> tuple[list[dict], dict]:
     """1. G rollouts per question of the step's batch, plus BAPO's resampled groups or, with
     train.filter_groups, the groups that replace those whose rewards are all alike: (records, the
-    stage's counts for the step's row)."""
+    stage's counts for the step's row). With train.overlap: overlapped_rollout."""
     cfg = p.cfg
+    if p.pipe is not None:
+        return overlapped_rollout(p, step), {}
     batch_idx, p.order = _next_batch(p.order, len(p.train_q), cfg.train.questions_per_step, p.rng)
     questions = [p.train_q[i] for i in batch_idx]
     records = roll_out(p, questions, cfg.train.seed * 100003 + step)
+    for r in records:
+        r["versions"] = [[0, step]]  # [first response token, policy version]: all of it by this step's policy
     check_engine_logprobs(records, cfg.rollout.engine, step + 1)  # NaN from the engine: named as its own
     counts = {}
     if cfg.train.resample_groups > 0:
@@ -254,6 +268,68 @@ def rollout_stage(p: RunParts, step: int) -> tuple[list[dict], dict]:
                        "(train.filter_max_rounds); training on those (none: on the first batch as it was)")  # fmt: skip
     p.engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
     return records, counts
+
+
+def overlapped_rollout(p: RunParts, step: int) -> list[dict]:
+    """1. with train.overlap (trainer/overlap.py): the records of the rollout started during the
+    step before (at the first step, started now and waited for), within train.max_staleness; then,
+    the engine idle, this step's policy into it (the weight check included), and the next step's
+    rollout started in a thread, to run beside this step's rewards and update."""
+    cfg, pipe = p.cfg, p.pipe
+    if pipe.pending is None:  # nothing rolled out ahead: the first step (of a run, or of a resume without one)
+        start_rollout(p, step)
+    records = collect(pipe, lambda mine: gather_lists(mine, p.world, every=p.tp))
+    check_staleness(records, step, cfg.train.max_staleness, step)
+    check_engine_logprobs(records, cfg.rollout.engine, step + 1)
+    if pipe.version < step:  # the previous step's update into the engine ("step k+1: weight check" if it fails)
+        t0 = time.time()
+        sync_stage(p, step, records)
+        pipe.version = step
+        pipe.sync_seconds = note(p.timeline, step, "trainer", "sync", t0, time.time()) - t0
+    if step + 1 < cfg.train.steps:
+        start_rollout(p, step + 1)
+    return records
+
+
+def start_rollout(p: RunParts, step: int) -> None:
+    """Take step's questions from the data order here (the main thread, so a checkpoint's order
+    matches), and roll them out in a thread (trainer/overlap.start), counting its searches' time."""
+    idx, p.order = _next_batch(p.order, len(p.train_q), p.cfg.train.questions_per_step, p.rng)
+    questions, seed = [p.train_q[i] for i in idx], p.cfg.train.seed * 100003 + step
+    start(p.pipe, step, lambda: roll_out_mine(p, questions, seed), lambda: p.timings.get("retrieve", 0.0))
+
+
+def rollout_times(p: RunParts, step: int, t0: float) -> dict:
+    """The rollout's seconds for the step's row: generate (less the searches) and retrieve; with
+    train.overlap, those of the rollout run in the thread, plus how long the trainer waited for it
+    and the sync done before the next one started."""
+    if p.pipe is None:
+        note(p.timeline, step, "engine", "rollout", t0, time.time())
+        retrieve = p.timings.get("retrieve", 0.0)
+        return {"generate": slowest(time.time() - t0 - retrieve, p.world), "retrieve": slowest(retrieve, p.world)}
+    got, synced = p.pipe.collected, p.pipe.sync_seconds
+    p.pipe.sync_seconds = 0.0
+    return {"generate": slowest(got.seconds - got.retrieve, p.world), "retrieve": slowest(got.retrieve, p.world),
+            "wait": slowest(got.waited, p.world), "sync": slowest(synced, p.world)}  # fmt: skip
+
+
+def settle_and_sync(p: RunParts, step: int, records: list[dict]) -> None:
+    """train.overlap, before an evaluation: the rollout in flight finished (kept for the next
+    step), then this step's weights into the engine, so validation sees the policy it names."""
+    settle(p.pipe, lambda mine: gather_lists(mine, p.world, every=p.tp))
+    if p.pipe.version < step + 1:
+        checked_sync(p, step, records)
+        p.pipe.version = step + 1
+
+
+def checked_sync(p: RunParts, step: int, records: list[dict]) -> None:
+    """sync_stage, its TrainingFault (the engine does not serve the weights) saying where to resume."""
+    t0 = time.time()
+    try:
+        sync_stage(p, step, records)
+    except TrainingFault as e:
+        raise TrainingFault(f"{e}. {resume_hint(p.run)}") from None
+    note(p.timeline, step, "trainer", "sync", t0, time.time())
 
 
 def roll_out_next(p: RunParts, n: int, step: int, round_: int) -> list[dict]:
@@ -392,6 +468,7 @@ def save_stage(p: RunParts, step: int) -> None:
     trainer_state = {
         "order": p.order, "data_rng": p.rng.getstate(), "constraints": constraint_state(p.constraints),
         "bapo": vars(p.bapo) if p.bapo else None,
+        "in_flight": in_flight_state(p.pipe) if p.pipe is not None else None,  # train.overlap: its records
     }  # fmt: skip
     save_checkpoint(p.run, step + 1, p.model, p.tokenizer, p.optimizer, trainer_state, p.cfg.train.keep_checkpoints,
                     p.critic, p.rank, p.world, p.critic_opt, config_to_dict(p.cfg))  # fmt: skip

@@ -378,6 +378,12 @@ class TrainConfig:
     # (trainer/sync_check.py): a failed sync stops the run. 0: never. Micro world: 0.006 s (hf) /
     # 0.011 s (vLLM) a step, beside steps of 0.7 / 0.5 s; counted in the step's sync time.
     sync_check_every: int = 1
+    # One-step-off overlap (trainer/overlap.py, docs/overlap.md): the rollout of step k+1 runs in
+    # a thread, on the engine in its own process, while step k's rewards and update run here.
+    # max_staleness: how many policy versions (steps' updates) older than the trainer a trained
+    # token may be; 0 is the synchronous loop, 1 one-step-off (the only depth one engine gains from).
+    overlap: bool = False
+    max_staleness: int = 1
     save_every: int = 10  # checkpoint every N steps (0: only at the end)
     samples_per_step: int | str = 4  # trajectories written to samples/ each step; all: every rollout (to audit masks)
     run_dir: str = "runs"
@@ -641,6 +647,7 @@ RANGES = {
     "train.judge_max_failure_rate": "[0, 1]",  # a share of the step's verdicts
     "train.eval_every": ">= 0",  # 0: never
     "train.sync_check_every": ">= 0",  # 0: never
+    "train.max_staleness": "[0, 1]",  # one rollout in flight (docs/overlap.md)
     "train.save_every": ">= 0",  # 0: only at the end
     "train.samples_per_step": ">= 0",
     "eval.max_questions": ">= 0",  # 0: all
@@ -682,6 +689,14 @@ def _check_ranges(cfg: Config) -> None:
     if 0 < t.dual_clip <= 1:
         raise ConfigError(f"config key 'train.dual_clip' must be 0 (off) or > 1 (dual-clip PPO's c: at c <= 1 the "
                           f"cap -c A would clip on-policy tokens too); got {shown(t.dual_clip)}")  # fmt: skip
+    if t.overlap:  # one GRPO rollout a step, started a step ahead (trainer/overlap.py)
+        clash = [f"train.{k}" for k, on in (("algo", t.algo != "grpo"), ("filter_groups", t.filter_groups),
+                                            ("resample_groups", t.resample_groups > 0),
+                                            ("reward", "bapo" in t.reward))  # fmt: skip
+                 if on] + (["rollout.sleep_mode"] if cfg.rollout.sleep_mode else [])
+        if clash:
+            raise ConfigError(f"config key 'train.overlap' runs GRPO with one rollout a step, the engine awake "
+                              f"beside the update; it cannot run with {', '.join(clash)} (docs/overlap.md)")
     url = urllib.parse.urlsplit(cfg.retriever.url)
     if cfg.retriever.url and (url.scheme not in ("http", "https") or not url.hostname):
         raise ConfigError(f"config key 'retriever.url' must be an http(s) URL such as http://127.0.0.1:8000 "

@@ -46,6 +46,11 @@ from trainer.batching import (
 )
 from trainer.config import Config, TrainingFault
 from trainer.distributed import all_reduce, clip_grad_norm, compute_device, local_finite
+from trainer.overlap import token_versions
+
+# train.overlap: the truncation C of a stale token's importance weight pi_prox / pi_behav when
+# train.is_correction is 0 (verl's TIS and ms-swift's rollout correction default to 2)
+STALE_IS_CAP = 2.0
 
 
 def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6, std: str = "group") -> list[float]:
@@ -146,7 +151,7 @@ def loss_weights(policy_tokens: list[int], mode: str, norm: int) -> list[float]:
     return [1.0 / max(1, sum(policy_tokens))] * n
 
 
-def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[dict]:
+def sequence_tensors(records: list[dict], mask_retrieved: bool = True, version: int | None = None) -> list[dict]:
     """Per rollout, the per-position arrays the loss needs (position t-1 predicts token t, so
     each has len(prompt + response) - 1 entries):
 
@@ -155,6 +160,8 @@ def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[d
       sampled     1 where the engine sampled the token (it has a logprob); 0 on prompt/retrieved
       engine_logp the engine's logprob of each sampled token (pi_old as vLLM computed it)
       adv         the advantage of each position (GRPO: the rollout's A_i everywhere; PPO: GAE)
+      stale       1 where a sampled token's policy version (record "versions", train.overlap) is
+                  older than `version`, the trainer's; 0 everywhere without them
     """
     out = []
     for r in records:
@@ -167,6 +174,9 @@ def sequence_tensors(records: list[dict], mask_retrieved: bool = True) -> list[d
             "sampled": torch.tensor(sampled, dtype=torch.float32),
             "engine_logp": torch.tensor(([0.0] * n + list(r["logprobs"]))[1:], dtype=torch.float32),
             "adv": torch.as_tensor(adv, dtype=torch.float32),
+            "stale": torch.tensor(([0] * n + [int(v < version) for v in token_versions(r)])[1:],
+                                  dtype=torch.float32) * torch.tensor(sampled, dtype=torch.float32)
+            if version is not None and "versions" in r else torch.zeros(len(sampled)),
         })  # fmt: skip
     return out
 
@@ -186,15 +196,18 @@ def grpo_step(model, ref_model, records: list[dict], optimizer, cfg: Config, pad
     updates (or `recompute_old_logprobs`) it is recomputed by the trainer before the first one,
     so the ratio compares trainer with trainer. `is_correction` C then weights each token by
     min(pi_trainer_old / pi_engine, C) (truncated importance sampling: the engine's numerics
-    differ from the trainer's). With `world` > 1 processes (FSDP), each takes its share of
+    differ from the trainer's). Tokens an older policy sampled (train.overlap: record versions
+    older than `step`, the trainer's version) take the decoupled loss of stale_correction. With
+    `world` > 1 processes (FSDP), each takes its share of
     every mini-batch; weights are computed on the whole mini-batch, so the loss does not depend
     on the number of processes.
     """
     tcfg = cfg.train
-    seqs = sequence_tensors(records, tcfg.mask_retrieved)
+    seqs = sequence_tensors(records, tcfg.mask_retrieved, version=step)
     kl_coef = 0.0 if tcfg.kl_in_reward else tcfg.kl_coef  # in the reward already (kl_penalties)
     ref, old = _reference_and_old_logprobs(model, ref_model, seqs, cfg, pad_id, kl_coef, rank, world)
     is_weight = importance_weights(old, seqs, tcfg.is_correction)
+    old, is_weight = stale_correction(model, seqs, old, is_weight, cfg, pad_id, rank, world)
     rng = random.Random(tcfg.seed * 1000003 + step)  # mini-batch order: a function of the step (exact resume)
     updates = []
     model.train()
@@ -265,10 +278,43 @@ def _reference_and_old_logprobs(model, ref_model, seqs: list[dict], cfg: Config,
     shared = {"rank": rank, "world": world, "exact": tcfg.exact_grad_sum}  # each process forwards its share
     ref = batch_logprobs(ref_model, seqs, mbt, pad_id, tcfg.bf16, **shared) if ref_model is not None and kl_coef > 0 \
         else None  # fmt: skip
-    recompute = tcfg.epochs * tcfg.mini_batches > 1 or tcfg.recompute_old_logprobs or tcfg.is_correction > 0
-    old = batch_logprobs(model, seqs, mbt, pad_id, tcfg.bf16, **shared) if recompute else \
+    old = batch_logprobs(model, seqs, mbt, pad_id, tcfg.bf16, **shared) if _recomputes_old(cfg) else \
         [s["engine_logp"] for s in seqs]  # fmt: skip
     return ref, old
+
+
+def _recomputes_old(cfg: Config) -> bool:
+    """pi_old from the trainer: several updates, recompute_old_logprobs or is_correction."""
+    tcfg = cfg.train
+    return tcfg.epochs * tcfg.mini_batches > 1 or tcfg.recompute_old_logprobs or tcfg.is_correction > 0
+
+
+def stale_correction(model, seqs: list[dict], old: list[torch.Tensor], is_weight: list[torch.Tensor], cfg: Config,
+                     pad_id: int, rank: int = 0, world: int = 1) -> tuple[list, list]:  # fmt: skip
+    """The decoupled PPO objective of AReaL (Fu et al. 2025, arXiv 2505.24298, §5: "decoupled PPO")
+    on the tokens an older policy sampled (seq "stale", train.overlap), per token t:
+
+        pg_t = -min(pi_prox / pi_behav, C) * min(u_t A, clip(u_t, 1 - eps, 1 + eps) A),
+        u_t  = pi_theta / pi_prox
+
+    pi_behav the engine's sampling logprob (the policy version that generated the token), pi_prox
+    the trainer's before this step's first update (recomputed here unless it already was), C =
+    train.is_correction, or STALE_IS_CAP when that is 0: the importance weight truncated as in
+    truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training", verl's rollout correction). The clip then bounds the step against pi_prox, not
+    against the stale policy. Fresh tokens keep today's pi_old and weight, so a batch with no stale
+    token returns (old, is_weight) untouched: the loss and gradients of the synchronous loop, bit
+    for bit (tests/test_overlap.py)."""
+    if not any(bool(s["stale"].any()) for s in seqs):
+        return old, is_weight
+    tcfg = cfg.train
+    prox = old if _recomputes_old(cfg) else batch_logprobs(
+        model, seqs, tcfg.micro_batch_tokens, pad_id, tcfg.bf16, rank=rank, world=world, exact=tcfg.exact_grad_sum)
+    cap = tcfg.is_correction or STALE_IS_CAP
+    old = [torch.where(s["stale"] > 0, p, o) for s, p, o in zip(seqs, prox, old)]
+    is_weight = [torch.where(s["stale"] > 0, torch.exp(p - s["engine_logp"]).clamp(max=cap), w)
+                 for s, p, w in zip(seqs, prox, is_weight)]  # fmt: skip
+    return old, is_weight
 
 
 def importance_weights(old: list[torch.Tensor], seqs: list[dict], cap: float) -> list[torch.Tensor]:
