@@ -160,3 +160,19 @@ def test_a_killed_overlapped_run_resumes_on_the_same_questions(micro, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # none lost, none twice
     for mine, ref in zip(rows[k:], _metric_rows(reference)[k:]):  # the resumed steps, the unkilled run's
         _close(mine, ref)
+
+
+def test_plan_counts_the_overlapped_layout():
+    """--plan under train.overlap: each GPU's engine rolls out beside its rank's update, so the
+    rollout peak is vLLM's share plus the whole training peak (not the resident state alone)."""
+    from trainer.plan import format_plan, memory_plan
+
+    sets = ["rollout.sleep_mode=false", "hardware.vllm_memory_fraction=0.35", "rollout.gpu_memory_utilization=0.35"]
+    cfg = load_config("configs/search_r1_grpo_qwen2.5-7b-base.yaml", sets)
+    sync = memory_plan(cfg, with_advice=False)
+    cfg.train.overlap = True
+    plan = memory_plan(cfg, with_advice=False)
+    assert plan["train_total"] == sync["train_total"] and plan["rollout_total"] > sync["rollout_total"]
+    assert plan["rollout_total"] == pytest.approx(0.35 * 80 + plan["train_total"])
+    assert plan["fits"]  # docs/box.md's overlap layout for 7B: 71.8 of 80 GB
+    assert "overlap one-step-off: each of the 8 GPUs trains" in format_plan(cfg, plan)

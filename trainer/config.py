@@ -693,7 +693,8 @@ def _check_ranges(cfg: Config) -> None:
         clash = [f"train.{k}" for k, on in (("algo", t.algo != "grpo"), ("filter_groups", t.filter_groups),
                                             ("resample_groups", t.resample_groups > 0),
                                             ("reward", "bapo" in t.reward))  # fmt: skip
-                 if on] + (["rollout.sleep_mode"] if cfg.rollout.sleep_mode else [])
+                 if on] + (["rollout.sleep_mode"] if cfg.rollout.sleep_mode else []) + \
+            (["train.cpu_offload phase"] if t.cpu_offload == "phase" else [])
         if clash:
             raise ConfigError(f"config key 'train.overlap' runs GRPO with one rollout a step, the engine awake "
                               f"beside the update; it cannot run with {', '.join(clash)} (docs/overlap.md)")

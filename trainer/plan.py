@@ -317,6 +317,9 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     # state: none under cpu_offload, phase or micro_batch), the served retriever and the allowance
     on_host_in_rollout = sum(host.values()) if mode == "phase" else 0.0
     rollout_total = hw.vllm_memory_fraction * hw.gpu_memory_gb + resident - on_host_in_rollout
+    overlap = t.overlap and t.max_staleness > 0
+    if overlap:  # step k+1's rollout beside step k's update, on the same GPU: both peaks at once
+        rollout_total = hw.vllm_memory_fraction * hw.gpu_memory_gb + total
     host["vllm_asleep"] = 0.0  # level 2 drops the weights (the sync rewrites them); level 1 kept P*b/R here
     if sleep:
         level1 = n * b / cfg.rollout.tensor_parallel_size / GB
@@ -337,6 +340,7 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
         "train_fits": total <= budget,
         "sleep": sleep,
         "offload": mode,
+        "overlap": overlap,
         "rollout_total": rollout_total,
         "rollout_fits": rollout_total <= hw.gpu_memory_gb,
         "vllm_fits": vllm["kv_cache"] > 0,
@@ -454,7 +458,8 @@ def format_plan(cfg: Config, plan: dict) -> str:
         t.optimizer,
         f"kl {t.kl_coef:g}",
         f"micro-batch {t.micro_batch_tokens} tokens",
-    ]
+    ] + ([f"overlap one-step-off: each of the {hw.gpus} GPUs trains (its FSDP rank) and rolls out (its own "
+          "engine process) at once"] if plan["overlap"] else [])  # fmt: skip
     lines = [
         f"Memory plan: {cfg.model.path or 'config.model'} = {a.name} ({a.source}), {sci(plan['model']['params'])} "
         f"parameters",
@@ -483,6 +488,8 @@ def format_plan(cfg: Config, plan: dict) -> str:
     verdict = "fits" if plan["rollout_fits"] else "does not fit"
     vllm_share = f"vLLM {hw.vllm_memory_fraction:g} x {hw.gpu_memory_gb:g}"
     resident = "the resident rows" + (" on the GPU (the state is on the host)" if plan["offload"] == "phase" else "")
+    if plan["overlap"]:
+        resident = "the training peak (train.overlap: the engine rolls out beside the update)"
     how = f"{vllm_share} + {resident}, of {hw.gpu_memory_gb:g}: {verdict}"
     row("rollout peak", plan["rollout_total"], None, how)
     ret = plan["retriever"]
