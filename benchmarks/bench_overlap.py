@@ -14,6 +14,8 @@ way in both modes, and the count is --threads (default: the CPUs this process ma
   * overlap: train.threads = T - E for the update, the engine in its own process bound to the last
              E CPUs (VLLM_CPU_OMP_THREADS_BIND, E = --engine-threads, default T // 2): both at once.
 The Python threads that drive the rollout (tokenising, the tool calls) are not counted in either.
+--modes adds `sync-part`: sync on the overlap trainer's T - E threads alone, a control for how
+rollout and update scale with threads (and for a loaded machine, where T threads may lose to fewer).
 Reported per mode: questions per second over all steps (from the first rollout's start to the last
 update's end, the overlap's pipeline fill included) and over steps 2.. (steady state), medians of
 the repetitions; and the timeline of the last repetition, from each run's timeline.jsonl
@@ -51,8 +53,8 @@ COLOURS = {"rollout": "tab:blue", "wait": "lightgrey", "reward": "tab:orange", "
 
 def mode_settings(mode: str, threads: int, engine_threads: int) -> tuple[list[str], dict]:
     """(--set overrides, environment) of a mode: module docstring, "same total threads"."""
-    if mode == "sync":
-        return [f"train.threads={threads}", "train.overlap=false"], {}
+    if mode in ("sync", "sync-part"):
+        return [f"train.threads={threads if mode == 'sync' else threads - engine_threads}", "train.overlap=false"], {}
     cpus = sorted(os.sched_getaffinity(0))[-engine_threads:]
     return [f"train.threads={threads - engine_threads}", "train.overlap=true", "train.max_staleness=1"], {
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus)}
@@ -123,10 +125,10 @@ def draw(runs: dict[str, Path], path: Path) -> None:
 def throughput(args: argparse.Namespace, out: Path) -> dict:
     sets = [f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=0", *args.set]
     per_step = load_config(args.config, sets).train.questions_per_step
-    found: dict[str, list[tuple[float, float]]] = {"sync": [], "overlap": []}
+    found: dict[str, list[tuple[float, float]]] = {mode: [] for mode in args.modes}
     last: dict[str, Path] = {}
     for rep in range(args.reps):
-        for mode in ("sync", "overlap") if rep % 2 == 0 else ("overlap", "sync"):
+        for mode in args.modes if rep % 2 == 0 else args.modes[::-1]:
             run = run_train(args.config, mode, f"{mode}-rep{rep}", out, sets, args.threads, args.engine_threads)
             found[mode].append((questions_per_s(run, per_step), questions_per_s(run, per_step, 2)))
             last[mode] = run
@@ -142,8 +144,10 @@ def throughput(args: argparse.Namespace, out: Path) -> dict:
     for mode, (q_all, q_steady) in med.items():
         reps = ", ".join(f"{a:.3f}" for a, _ in found[mode])
         lines.append(f"| {mode} | {q_all:.3f} | {q_steady:.3f} | {reps} |")
-    lines += ["", f"overlap / sync: {med['overlap'][0] / med['sync'][0]:.2f} (all steps), "
-              f"{med['overlap'][1] / med['sync'][1]:.2f} (steps 2..)", "",
+    if "overlap" in med and "sync" in med:
+        lines += ["", f"overlap / sync: {med['overlap'][0] / med['sync'][0]:.2f} (all steps), "
+                  f"{med['overlap'][1] / med['sync'][1]:.2f} (steps 2..)"]
+    lines += ["",
               "Timeline of the last repetition (timeline.png; seconds from each run's first stage):", "",
               "| mode | step | who | stage | start | end | seconds |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for mode, run in last.items():
@@ -191,6 +195,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps a run (throughput: 10; --seeds: the config's)")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each mode, alternated (throughput)")
     parser.add_argument("--seeds", type=int, nargs="*", help="the EM comparison instead, one train.seed each")
+    parser.add_argument("--modes", nargs="+", default=["sync", "overlap"], choices=["sync", "overlap", "sync-part"],
+                        help="throughput: the modes, in the even repetitions' order (odd ones reverse it)")
     cpus = len(os.sched_getaffinity(0))
     parser.add_argument("--threads", type=int, default=cpus, help=f"total compute threads, both modes ({cpus})")
     parser.add_argument("--engine-threads", type=int, default=None, help="of which overlap's engine (threads // 2)")
