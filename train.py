@@ -31,7 +31,9 @@ update_stage with grpo_step / ppo_update / rft_step, sync_stage, then run_eval a
 Variants of the same loop (config train.*): `constraints` add Lagrange multipliers to the reward
 (trainer/constraints.py, Deliberative Searcher Alg. 1); `algo: ppo` replaces step 3 with a critic and
 GAE (trainer/ppo.py); `algo: rft` keeps only accepted rollouts and fine-tunes on them (BAPO's
-baseline); `reward: bapo` adds BAPO's resampling and stage switch. Several processes
+baseline); `reward: bapo` adds BAPO's resampling and stage switch; `overlap` rolls out step k+1 in
+a thread beside step k's update, on the engine in its own process, syncing between rollouts
+(overlapped_rollout, trainer/overlap.py, docs/overlap.md). Several processes
 (`accelerate launch --multi_gpu`, trainer/distributed.py): each rank's own engine rolls out a block of
 the step's questions (whole groups) and each rank scores the groups it rolled out; the records
 are gathered, so every rank computes the same advantages, constraint terms and metrics as one
@@ -248,8 +250,6 @@ def rollout_stage(p: RunParts, step: int) -> tuple[list[dict], dict]:
     batch_idx, p.order = _next_batch(p.order, len(p.train_q), cfg.train.questions_per_step, p.rng)
     questions = [p.train_q[i] for i in batch_idx]
     records = roll_out(p, questions, cfg.train.seed * 100003 + step)
-    for r in records:
-        r["versions"] = [[0, step]]  # [first response token, policy version]: all of it by this step's policy
     check_engine_logprobs(records, cfg.rollout.engine, step + 1)  # NaN from the engine: named as its own
     counts = {}
     if cfg.train.resample_groups > 0:
@@ -266,6 +266,8 @@ def rollout_stage(p: RunParts, step: int) -> tuple[list[dict], dict]:
             tqdm.write(f"filter_groups: step {step + 1}: {counts['filter']['groups']} of {cfg.train.questions_per_step}"
                        f" groups have (turn) rewards that differ after {counts['filter']['rounds']} more rounds "
                        "(train.filter_max_rounds); training on those (none: on the first batch as it was)")  # fmt: skip
+    for r in records:  # [first response token, policy version]: all of it by this step's policy (trainer/overlap.py)
+        r["versions"] = [[0, step]]
     p.engine.sleep()  # rollout.sleep_mode: free the GPU memory of vLLM's weights and KV cache for training
     return records, counts
 
