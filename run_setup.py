@@ -110,7 +110,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
     if lora_on and world > 1:
         raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
     overlap = cfg.train.overlap and cfg.train.max_staleness > 0  # max_staleness 0: the synchronous loop
-    if overlap and (world > 1 and cfg.rollout.weight_sync == "memory" or tp > 1):
+    if overlap and cfg.rollout.engine == "vllm" and (world > 1 and cfg.rollout.weight_sync == "memory" or tp > 1):
         raise ConfigError("train.overlap runs each rank's engine in a process of its own (tensor_parallel_size 1): "
                           "set rollout.weight_sync: file (docs/overlap.md)")  # fmt: skip
     torch.manual_seed(cfg.train.seed)
