@@ -1,9 +1,9 @@
 """train.overlap (issue 52, docs/overlap.md): the loss at staleness 0 is today's bit for bit, a
 stale token takes the decoupled, truncated-IS loss; no trained token is older than
 train.max_staleness; the weight check still catches a corrupted sync; a killed overlapped run
-resumes on the same questions as an unkilled one. Micro world, transformers engine (its rollout
-runs in the thread as vLLM's client does; the vLLM engine in its own process is benchmarks/
-bench_overlap.py's)."""
+resumes on the same questions as an unkilled one; with vLLM in its own process, the rollout runs
+beside the update. Micro world; the transformers engine where exactness or time matters (its
+rollout runs in the same thread as vLLM's client does)."""
 
 import json
 import math
@@ -176,3 +176,25 @@ def test_plan_counts_the_overlapped_layout():
     assert plan["rollout_total"] == pytest.approx(0.35 * 80 + plan["train_total"])
     assert plan["fits"]  # docs/box.md's overlap layout for 7B: 71.8 of 80 GB
     assert "overlap one-step-off: each of the 8 GPUs trains" in format_plan(cfg, plan)
+
+
+@pytest.mark.slow  # ~32 s of CPU: the engine core and its worker are spawned processes (imports, warm-up)
+def test_vllm_in_its_own_process_rolls_out_beside_the_update(micro, tmp_path):
+    """train.py with the vLLM engine (in a process of its own, weights through files): step 2's
+    rollout runs while step 1 updates (the run's timeline), the sync before step 2 passes the
+    weight check, and the rows say how long the trainer waited."""
+    cfg_path = write_micro_config(
+        tmp_path / "v.yaml", micro[1].world.cache_dir, rollout={"engine": "vllm"},
+        train={"steps": 2, "eval_every": 0, "save_every": 0, "questions_per_step": 2, "group_size": 2,
+               "threads": 1, "run_dir": str(tmp_path / "runs"), **OVERLAP},
+    )  # fmt: skip
+    out = run_script(["train.py", "--config", str(cfg_path)], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = next((tmp_path / "runs").glob("tiny-*"))
+    stages = {(r["step"], r["who"], r["stage"]): r for r in map(json.loads, (run / "timeline.jsonl").open())}
+    rollout, update = stages[(2, "engine", "rollout")], stages[(1, "trainer", "train")]
+    assert rollout["start"] <= update["start"] < rollout["end"]  # both at once
+    assert (2, "trainer", "sync") in stages  # the weight check ran there (a failed one stops the run)
+    rows = _metric_rows(run)
+    assert {"generate", "retrieve", "wait", "sync", "reward", "train"} == set(rows[1]["time"])
+    assert [r["versions"] for r in map(json.loads, (run / "samples" / "step_2.jsonl").open())] == [[[0, 0]]] * 4
