@@ -281,7 +281,7 @@ def overlapped_rollout(p: RunParts, step: int) -> list[dict]:
     if pipe.pending is None:  # nothing rolled out ahead: the first step (of a run, or of a resume without one)
         start_rollout(p, step)
     records = collect(pipe, lambda mine: gather_lists(mine, p.world, every=p.tp))
-    check_staleness(records, step, cfg.train.max_staleness, step)
+    check_staleness(records, step, cfg.train.max_staleness)
     check_engine_logprobs(records, cfg.rollout.engine, step + 1)
     if pipe.version < step:  # the previous step's update into the engine ("step k+1: weight check" if it fails)
         t0 = time.time()

@@ -56,10 +56,10 @@ def test_staleness_zero_is_bit_identical_and_a_stale_token_is_corrected(tmp_path
 def test_versions_per_token_and_the_staleness_bound():
     record = {"response_ids": [1, 2, 3, 4, 5], "versions": [[0, 6], [3, 7]]}  # a rollout spanning two versions
     assert token_versions(record) == [6, 6, 6, 7, 7]
-    check_staleness([record], 7, 1, 7)  # 6 is one version old: within the bound
+    check_staleness([record], 7, 1)  # 6 is one version old: within the bound
     with pytest.raises(TrainingFault, match="step 9: a rollout token of policy version 6 would be trained by "
                                             "version 8, beyond train.max_staleness 1"):  # fmt: skip
-        check_staleness([record], 8, 1, 8)
+        check_staleness([record], 8, 1)
 
 
 def test_overlap_config_is_checked_in_one_line():

@@ -1,9 +1,9 @@
 """One-step-off overlap (train.overlap): step k+1's rollout runs while step k scores and updates.
 
-    pipe = Pipeline(version=step0)                    # the engine serves the starting weights
-    pending = start(pipe, step + 1, lambda: roll_out_mine(...))   # a thread; the engine in its process
-    records = collect(pending, gather)                # joined: each record tagged with its version
-    check_staleness(records, step, max_staleness)     # a token older than the bound: TrainingFault
+    pipe = Pipeline(version=step0)          # the engine serves the starting weights
+    start(pipe, step + 1, lambda: roll_out_mine(...), searched)   # a thread; the engine in its process
+    records = collect(pipe, gather)         # joined, gathered, each record tagged with its version
+    check_staleness(records, step, max_staleness)   # a token older than the bound: TrainingFault
 
 The form (docs/overlap.md says why): colocated, one rollout in flight. The vLLM engine runs in a
 process of its own (rollout.weight_sync's file path), so a thread of the training process only
@@ -133,11 +133,12 @@ def token_versions(record: dict) -> list[int]:
     return out
 
 
-def check_staleness(records: list[dict], version: int, max_staleness: int, step: int) -> None:
-    """The bound: no token trained by policy `version` may be more than max_staleness versions older."""
+def check_staleness(records: list[dict], version: int, max_staleness: int) -> None:
+    """The bound: no token trained by policy `version` (at step `version`, 0-based) may be more
+    than max_staleness versions older."""
     oldest = min((v for r in records if "versions" in r for _, v in r["versions"]), default=version)
     if version - oldest > max_staleness:
-        raise TrainingFault(f"step {step + 1}: a rollout token of policy version {oldest} would be trained by "
+        raise TrainingFault(f"step {version + 1}: a rollout token of policy version {oldest} would be trained by "
                             f"version {version}, beyond train.max_staleness {max_staleness}")  # fmt: skip
 
 
