@@ -147,6 +147,9 @@ def test_a_killed_overlapped_run_resumes_on_the_same_questions(micro, tmp_path):
     flight = load_checkpoint_file(saved / "trainer_state.pt")["in_flight"]
     assert (flight["step"], flight["version"]) == (k, k - 1) and len(flight["records"]) == 4
 
+    # its rollout in flight cannot resume in the synchronous loop (the questions would be skipped)
+    sync = run_script(["train.py", "--resume", str(run), "--set", "train.overlap=false"], timeout=600)
+    assert sync.returncode != 0 and "holds the rollout in flight of an overlapped run" in sync.stderr, sync.stderr
     out = run_script(["train.py", "--resume", str(run)], timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     reference = next((tmp_path / "whole").glob("whole-*"))

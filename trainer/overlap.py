@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import TrainingFault
+from trainer.config import ConfigError, TrainingFault
 
 
 @dataclass
@@ -154,6 +154,16 @@ def restore(pipe: Pipeline, state: dict | None) -> None:
     """A resumed run's rollout in flight, from in_flight_state."""
     if state:
         pipe.pending = finished(state["step"], state["version"], state["records"])
+
+
+def check_in_flight(state: dict, ckpt: Path, overlap: bool) -> None:
+    """Before a resume changes anything: a checkpoint (its trainer_state) holding a rollout in flight
+    resumes only with overlap on (train.overlap, max_staleness 1). Its questions have left the saved
+    data order, so the synchronous loop would skip them."""
+    flight = state.get("in_flight")
+    if flight and not overlap:
+        raise ConfigError(f"{ckpt} holds the rollout in flight of an overlapped run (step {flight['step'] + 1}'s "
+                          "questions): resume it with train.overlap true and train.max_staleness 1")  # fmt: skip
 
 
 def note(path: Path | None, step: int, who: str, stage: str, start: float, end: float) -> float:
