@@ -14,9 +14,14 @@ memory: searching is necessary, which makes the effect of RL visible on a laptop
                        #  "golden_answers": ["Velor"], "metadata": {"type": "1hop",
                        #  "gold_ids": ["p17"], ...}}
 
-Question types:
-  1hop  "Where was P born?"                -> the city   (one search: "P born")
-  2hop  "In which country was P born?"     -> the country (two searches: "P born", "C country")
+Question types (`world.question_types`, default 1hop and 2hop; QUESTION_TYPES below):
+  1hop     "Where was P born?"                       -> the city    (one search: "P born")
+  2hop     "In which country was P born?"            -> the country (two searches in sequence: "P born",
+                                                                      then "C country" for the city C it read)
+  compare  "Were P and Q born in the same city?"     -> yes / no    (two independent searches: "P born",
+                                                                      "Q born"; both can go in one parallel call)
+A new type is one function (person, the split, its own random stream -> a question record) and one
+line in QUESTION_TYPES; a world that does not ask for it keeps its key and its data byte for byte.
 
 The teacher (`teacher_segments`) writes Search-R1-format trajectories and is deliberately
 imperfect (docs/design.md §5): on a 2-hop question it often guesses the country after the first hop,
@@ -36,10 +41,11 @@ import hashlib
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import Config, WorldConfig
+from trainer.config import Config, ConfigError, WorldConfig
 from trainer.precision import resolve as resolve_precision
 
 CONSONANTS = "bdfgklmnprstvz"
@@ -107,8 +113,88 @@ def _unreliable_passages(cfg: WorldConfig, people: dict[str, str], city_country:
     return out
 
 
+def stream(seed: int | str, *names: object) -> random.Random:
+    """A random stream of its own for one named feature (a question type, a teacher's draw): seeded by
+    (seed, names) alone, so a draw added elsewhere never moves it.
+
+    >>> stream(0, "question_type", "compare").random() == stream(0, "question_type", "compare").random()
+    True
+    """
+    key = "|".join(str(x) for x in (seed, *names)).encode()
+    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+
+
+@dataclass
+class Split:
+    """What a question type reads: the world's facts and the people of the split it asks about."""
+
+    people: dict[str, str]  # person -> birth city
+    city_country: dict[str, str]
+    person_id: dict[str, str]  # person -> passage id
+    city_id: dict[str, str]
+    misinfo: set[str]  # people with a misinformation passage (world.misinfo_frac)
+    persons: list[str]  # this split's people, in order
+
+    born_in: dict[str, list[str]] = field(init=False)  # city -> this split's people born there
+
+    def __post_init__(self) -> None:
+        self.born_in = {}
+        for p in self.persons:
+            self.born_in.setdefault(self.people[p], []).append(p)
+
+    def category(self, person: str) -> str | None:
+        return "misinfo" if person in self.misinfo else None
+
+
+def one_hop(qid: str, person: str, w: Split, rng: random.Random) -> dict:
+    city = w.people[person]
+    return _question(qid, "1hop", person, city, city, [w.person_id[person]], w.category(person))
+
+
+def two_hop(qid: str, person: str, w: Split, rng: random.Random) -> dict:
+    city = w.people[person]  # gold: the passages that answer it, in hop order
+    return _question(qid, "2hop", person, city, w.city_country[city], [w.person_id[person], w.city_id[city]],
+                     w.category(person))  # fmt: skip
+
+
+def compare(qid: str, person: str, w: Split, rng: random.Random) -> dict:
+    """"Were P and Q born in the same city?" -> yes / no. The two hops are independent (neither query needs
+    the other's answer), so one parallel call can ask both. Q is of the same split; where anyone else
+    there shares P's city, Q does half the time (else "no" would be right almost always)."""
+    city = w.people[person]
+    same = [p for p in w.born_in[city] if p != person]
+    if same and rng.random() < 0.5:
+        other = rng.choice(same)
+    else:  # anyone of the split born elsewhere
+        other = rng.choice(w.persons)
+        while w.people[other] == city:
+            other = rng.choice(w.persons)
+    record = _question(qid, "compare", person, city, "yes" if w.people[other] == city else "no",
+                       [w.person_id[person], w.person_id[other]], w.category(person))  # fmt: skip
+    record["question"] = f"Were {person} and {other} born in the same city?"
+    record["metadata"] |= {"person2": other, "city2": w.people[other]}
+    return record
+
+
+# A question type: (id, person, the split, the type's own random stream) -> one question record about that
+# person. world.question_types names the ones a world asks, in this order per person.
+QUESTION_TYPES: dict[str, Callable[[str, str, Split, random.Random], dict]] = {
+    "1hop": one_hop,
+    "2hop": two_hop,
+    "compare": compare,
+}
+
+
+def check_question_types(cfg: WorldConfig) -> None:
+    unknown = [k for k in cfg.question_types if k not in QUESTION_TYPES]
+    if unknown or not cfg.question_types:
+        raise ConfigError(f"config key 'world.question_types' must list some of {', '.join(QUESTION_TYPES)}; "
+                          f"got {', '.join(map(str, cfg.question_types)) or 'none'}")  # fmt: skip
+
+
 def generate_world(cfg: WorldConfig) -> World:
     """A seeded encyclopedia: the same config gives the same world, byte for byte."""
+    check_question_types(cfg)
     rng = random.Random(cfg.seed)
     taken: set[str] = set()
     countries = _names(rng, cfg.n_countries, (2, 3), taken)
@@ -146,15 +232,14 @@ def generate_world(cfg: WorldConfig) -> World:
     questions: dict[str, list[dict]] = {}
     ghost_rng = random.Random(cfg.seed + 104729)  # its own stream: the rest of the world is unchanged
     taken_people = set(people)
+    # each type draws from a stream of its own (stream()), so a type added to a world moves no other draw
+    kinds = {kind: stream(cfg.seed, "question_type", kind) for kind in cfg.question_types}
     for split, persons in pools.items():
         records = []
+        split_world = Split(people, city_country, person_id, city_id, misinfo, persons)
         for person in persons:
-            city = people[person]
-            gold = [person_id[person], city_id[city]]  # the passages that answer it, in hop order
-            category = "misinfo" if person in misinfo else None
-            records.append(_question(f"{split}-1hop-{len(records)}", "1hop", person, city, city, gold[:1], category))
-            records.append(_question(f"{split}-2hop-{len(records)}", "2hop", person, city, city_country[city], gold,
-                                     category))  # fmt: skip
+            for kind, kind_rng in kinds.items():
+                records.append(QUESTION_TYPES[kind](f"{split}-{kind}-{len(records)}", person, split_world, kind_rng))
         if cfg.unanswerable_frac > 0:  # people the corpus never mentions (BAPO: the answer is "I don't know")
             for _ in range(round(cfg.unanswerable_frac * len(persons))):
                 ghost = f"{ghost_rng.choice(first)} {ghost_rng.choice(last)}"
@@ -298,6 +383,9 @@ def teacher_segments(
     habits = habits or Habits()
     meta = question["metadata"]
     person, kind = meta["person"], meta["type"]
+    if kind == "compare":  # its draws on a stream of its own: a world that adds it moves no other trajectory's
+        return compare_segments(question, search, stream(person, question["id"], "teacher"), p_guess_second_hop,
+                                p_no_search)  # fmt: skip
     if rng.random() < p_no_search:
         guess = rng.choice(countries if kind == "2hop" else cities)
         return [(f"<think> I guess {person} was born in {guess}.</think><answer> {guess}</answer>", "policy")]
@@ -341,6 +429,38 @@ def teacher_segments(
     chain = f"{fact} {second}" if habits.cites_source else second
     segs.append((f"{think(chain)}<answer> {country}</answer>", "policy"))
     return segs
+
+
+def born_city(text: str, person: str) -> str | None:
+    """The city a passage in `text` says `person` was born in ("P was born in the city of C.")."""
+    m = re.search(rf"{re.escape(person)} was born in the city of (\w+)\.", text)
+    return m.group(1) if m else None
+
+
+def compare_segments(question: dict, search, rng: random.Random, p_guess_second_hop: float,
+                     p_no_search: float) -> list[tuple[str, str]]:  # fmt: skip
+    """The Search-R1 teacher on "Were P and Q born in the same city?": search P, then Q, compare the
+    cities it read. Its flaws as on 2-hop: no search at all, or a guess ("no") after the first hop.
+
+      <think> I need where P and Q were born.</think><search> P born</search> <information>..</information>
+      <think> P was born in the city of C. I need where Q was born.</think><search> Q born</search> <information>..
+      <think> P was born in the city of C. Q was born in the city of D.</think><answer> no</answer>
+    """
+    meta = question["metadata"]
+    p, q = meta["person"], meta["person2"]
+    if rng.random() < p_no_search:
+        guess = rng.choice(("yes", "no"))
+        return [(f"<think> I guess the answer is {guess}.</think><answer> {guess}</answer>", "policy")]
+    segs = [(f"<think> I need where {p} and {q} were born.</think><search> {p} born</search>", "policy")]
+    segs.append((search(f"{p} born"), "obs"))
+    fact = f"{p} was born in the city of {born_city(segs[-1][0], p) or meta['city']}."
+    if rng.random() < p_guess_second_hop:
+        return segs + [(f"<think> {fact} I guess {q} was born elsewhere.</think><answer> no</answer>", "policy")]
+    segs.append((f"<think> {fact} I need where {q} was born.</think><search> {q} born</search>", "policy"))
+    segs.append((search(f"{q} born"), "obs"))
+    second = born_city(segs[-1][0], q) or meta["city2"]
+    same = "yes" if second == (born_city(segs[1][0], p) or meta["city"]) else "no"
+    return segs + [(f"<think> {fact} {q} was born in the city of {second}.</think><answer> {same}</answer>", "policy")]
 
 
 def world_key(cfg: Config) -> str:

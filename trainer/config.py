@@ -101,6 +101,9 @@ class WorldConfig:
     # misinfo_frac: share of people with an unreliable-domain passage that outranks the reliable
     # one on a plain query and states a wrong city (WebFilter: only site: finds the truth).
     misinfo_frac: float = 0.0
+    # the kinds of question asked of each person (tiny/world.py QUESTION_TYPES): 1hop, 2hop, compare
+    # ("were P and Q born in the same city?", two independent hops); set away from the default, the world is another
+    question_types: list = field(default_factory=lambda: ["1hop", "2hop"])
     cache_dir: str = "cache"
 
 
@@ -163,6 +166,11 @@ class SFTConfig:
     # With model.path (your own model): fine-tune it on this teacher first, its trajectories in
     # the model's chat template and tokenizer (tiny/warm_start.py), so GRPO starts with a signal.
     warm_start: bool = False
+    # A fork's cheap start (tiny/sft.continued_start): continue_from "auto" starts from the cached start of this
+    # config with the default protocol and question types (the quick start's, for configs/quickstart.yaml), or
+    # from a policy directory, and trains continue_steps SFT steps on this config's teacher, not `steps` from nothing.
+    continue_from: str = ""
+    continue_steps: int = 200
 
 
 @dataclass
@@ -574,6 +582,7 @@ RANGES = {
     "model.vocab_size": ">= 1",
     "sft.steps": ">= 0",  # 0: the untrained policy (RL from scratch)
     "sft.batch_tokens": ">= 1",
+    "sft.continue_steps": ">= 1",
     "sft.lr": "> 0",
     "sft.warmup_steps": ">= 0",
     "sft.decay_frac": "[0, 1]",
