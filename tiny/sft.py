@@ -336,22 +336,28 @@ def base_config(cfg: Config) -> Config:
     return base
 
 
-def continued_start(cfg: Config, policy_dir: Path):
-    """(model, tokenizer, base policy dir) of a fork's start: the base start's weights and tokenizer (sft.continue_from:
-    auto builds it first where it is not cached), the protocol's tags added as whole tokens (the embedding grows to
-    the next multiple of 64 where they do not fit). The same world's corpus, so the same BPE serves."""
+def base_policy(cfg: Config) -> Path:
+    """The policy directory a fork continues from (sft.continue_from): auto, base_config's start (built first
+    where it is not cached), or a built policy directory."""
     if cfg.sft.continue_from == "auto":
-        base = ensure_tiny_policy(base_config(cfg))
-    else:
-        base = Path(cfg.sft.continue_from)
-        if not (base / "DONE").exists():
-            raise ConfigError(f"config key 'sft.continue_from': {base} is no built policy directory (no DONE file)")
+        return ensure_tiny_policy(base_config(cfg))
+    base = Path(cfg.sft.continue_from)
+    if not (base / "DONE").exists():
+        raise ConfigError(f"config key 'sft.continue_from' must be auto or a built policy directory; {base} has no "
+                          "DONE file")  # fmt: skip
+    return base
+
+
+def continued_start(cfg: Config, base: Path, policy_dir: Path):
+    """(model, tokenizer) of a fork's start: the base start's weights and tokenizer, the protocol's tags added as
+    whole tokens (the embedding grows to the next multiple of 64 where they do not fit). The same world's
+    corpus, so the same BPE serves."""
     tokenizer, model = load_tokenizer(base), load_policy(base, "float32")
     tokenizer.add_tokens([t for t in protocols.get(cfg.rollout.protocol).tokens if t not in tokenizer.get_vocab()])
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(64 * math.ceil(len(tokenizer) / 64))
     tokenizer.save_pretrained(policy_dir)
-    return model, tokenizer, base
+    return model, tokenizer
 
 
 def ensure_tiny_policy(cfg: Config) -> Path:
@@ -362,6 +368,7 @@ def ensure_tiny_policy(cfg: Config) -> Path:
         warn_if_it_cannot_copy(policy_dir)
         return policy_dir
     t0 = time.time()
+    base = base_policy(cfg) if cfg.sft.continue_from else None  # a bad path is refused before anything is built
     torch.manual_seed(cfg.world.seed)
     ensure_world_data(cfg)
     tool = world_search_tool(cfg, out)
@@ -372,7 +379,7 @@ def ensure_tiny_policy(cfg: Config) -> Path:
     corpus_texts = [json.loads(line)["contents"] for line in open(out / "corpus.jsonl")]
     texts = corpus_texts + ["".join(s for s, _ in t) for t in trajectories[:2000]]
     if cfg.sft.continue_from:  # a fork: the base start's tokenizer and weights, a short SFT on this teacher
-        model, tokenizer, base = continued_start(cfg, policy_dir)
+        model, tokenizer = continued_start(cfg, base, policy_dir)
     else:
         tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir, protocols.get(cfg.rollout.protocol).tokens)
     examples = []
