@@ -96,6 +96,8 @@ def test_compare_questions_ask_two_independent_hops_and_move_no_other_question()
     assert data_key(keyed) != data_key(load_config(ROOT / "configs/tiny.yaml"))
     with pytest.raises(ConfigError, match="'world.question_types' must list some of 1hop, 2hop, compare; got 3hop"):
         generate_world(WorldConfig(question_types=["3hop"]))
+    with pytest.raises(ConfigError, match="'world.question_types' must list some of 1hop, 2hop, compare; got none"):
+        load_config(None, ["world.question_types="])  # the config refuses it too, before anything starts
 
 
 def recipe() -> str:
@@ -175,7 +177,8 @@ def test_the_fork_a_protocol_recipe_trains(micro, tmp_path):
     sets = [a.split()[0] for a in command.split("```")[0].replace("\\\n", " ").split("--set")[1:]]
     cfg_path = write_micro_config(
         tmp_path / "c.yaml", cache, sft={"continue_steps": 20},
-        train={"save_every": 0, "eval_every": 0, "run_dir": str(tmp_path / "runs"), "name": "fork"},
+        train={"save_every": 0, "eval_every": 0, "run_dir": str(tmp_path / "runs"), "name": "fork",
+               "questions_per_step": 2, "group_size": 2},
     )  # fmt: skip
     out = subprocess.run([sys.executable, "train.py", "--config", str(cfg_path), *[f"--set={s}" for s in sets]],
                          cwd=repo, capture_output=True, text=True, timeout=900, env=dict(os.environ))  # fmt: skip

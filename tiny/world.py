@@ -45,7 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import Config, ConfigError, WorldConfig
+from trainer.config import QUESTION_TYPES as TYPE_TABLE
+from trainer.config import Config, WorldConfig, check_question_types
 from trainer.precision import resolve as resolve_precision
 
 CONSONANTS = "bdfgklmnprstvz"
@@ -178,23 +179,18 @@ def compare(qid: str, person: str, w: Split, rng: random.Random) -> dict:
 
 # A question type: (id, person, the split, the type's own random stream) -> one question record about that
 # person. world.question_types names the ones a world asks, in this order per person.
-QUESTION_TYPES: dict[str, Callable[[str, str, Split, random.Random], dict]] = {
+# The dict trainer/config.py checks world.question_types against.
+QUESTION_TYPES: dict[str, Callable[[str, str, Split, random.Random], dict]] = TYPE_TABLE
+QUESTION_TYPES |= {
     "1hop": one_hop,
     "2hop": two_hop,
     "compare": compare,
 }
 
 
-def check_question_types(cfg: WorldConfig) -> None:
-    unknown = [k for k in cfg.question_types if k not in QUESTION_TYPES]
-    if unknown or not cfg.question_types:
-        raise ConfigError(f"config key 'world.question_types' must list some of {', '.join(QUESTION_TYPES)}; "
-                          f"got {', '.join(map(str, cfg.question_types)) or 'none'}")  # fmt: skip
-
-
 def generate_world(cfg: WorldConfig) -> World:
     """A seeded encyclopedia: the same config gives the same world, byte for byte."""
-    check_question_types(cfg)
+    check_question_types(cfg.question_types)
     rng = random.Random(cfg.seed)
     taken: set[str] = set()
     countries = _names(rng, cfg.n_countries, (2, 3), taken)
