@@ -21,7 +21,7 @@ from eval import summarize
 from report.metrics import batch_metrics, search_counts
 from rewards import score
 from search.tools import make_search_fn
-from tiny import teachers, world
+from tiny import questions, teachers, world
 from tiny.sft import base_config, ensure_tiny_policy, teacher_examples, world_search_tool
 from tiny.teachers import draw_flaws, protocol_trajectories, teacher_rollouts
 from tiny.world import data_key, generate_world, read_jsonl, world_dir, world_key
@@ -61,7 +61,7 @@ def digests(micro) -> dict:
 def test_a_new_type_and_a_new_draw_leave_every_existing_world_byte_for_byte(micro, monkeypatch):
     q = read_jsonl(micro[3] / "train.jsonl")[0]
     before = draw_flaws(q, micro[1].sft, 0)
-    monkeypatch.setitem(world.QUESTION_TYPES, "dummy", lambda qid, person, split, rng: rng.random())
+    monkeypatch.setitem(questions.QUESTION_TYPES, "dummy", lambda qid, person, split, rng: rng.random())
     monkeypatch.setitem(teachers.NAMED_DRAWS, "dummy", lambda rng, sft: rng.random())
     after = draw_flaws(q, micro[1].sft, 0)
     assert set(after.named) == {"parallel", "dummy"} and after.named["parallel"] == before.named["parallel"]

@@ -34,6 +34,7 @@ from agent import protocols
 from agent.answers import OBSERVATIONS, exact_match, parse_response
 from rollout import render_prompt, rollout_batch
 from search.tools import make_search_fn
+from tiny.questions import stream
 from tiny.world import (
     _BORN,
     _IN_COUNTRY,
@@ -44,7 +45,6 @@ from tiny.world import (
     generate_world,
     hinted_confidence,
     read_jsonl,
-    stream,
 )
 from trainer.config import load_config
 
@@ -62,7 +62,7 @@ class Flaws:
     named: dict = field(default_factory=dict)  # NAMED_DRAWS' values, by name
 
 
-# Draws added since the five above, each on a stream of its own (world.stream: the seed, the question, the
+# Draws added since the five above, each on a stream of its own (questions.stream: the seed, the question, the
 # draw's name), so adding one moves no other draw. The first five keep sharing the question's one stream,
 # in their order: moving them would change every cached protocol world's SFT data (the golden hashes in
 # tests/test_fork_worlds.py pin it). A new draw is a line here: name -> (its stream, the SFT config) -> value.

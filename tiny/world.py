@@ -14,14 +14,10 @@ memory: searching is necessary, which makes the effect of RL visible on a laptop
                        #  "golden_answers": ["Velor"], "metadata": {"type": "1hop",
                        #  "gold_ids": ["p17"], ...}}
 
-Question types (`world.question_types`, default 1hop and 2hop; QUESTION_TYPES below):
-  1hop     "Where was P born?"                       -> the city    (one search: "P born")
-  2hop     "In which country was P born?"            -> the country (two searches in sequence: "P born",
-                                                                      then "C country" for the city C it read)
-  compare  "Were P and Q born in the same city?"     -> yes / no    (two independent searches: "P born",
-                                                                      "Q born"; both can go in one parallel call)
-A new type is one function (person, the split, its own random stream -> a question record) and one
-line in QUESTION_TYPES; a world that does not ask for it keeps its key and its data byte for byte.
+Question types (`world.question_types`; tiny/questions.py, one function and one line each):
+  1hop     "Where was P born?"                    -> the city    (one search: "P born")
+  2hop     "In which country was P born?"         -> the country (two searches in sequence: "P born", "C country")
+  compare  "Were P and Q born in the same city?"  -> yes / no    (two independent searches: "P born", "Q born")
 
 The teacher (`teacher_segments`) writes Search-R1-format trajectories and is deliberately
 imperfect (docs/design.md §5): on a 2-hop question it often guesses the country after the first hop,
@@ -41,11 +37,10 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import QUESTION_TYPES as TYPE_TABLE
+from tiny.questions import QUESTION_TYPES, Split, question_record, stream
 from trainer.config import Config, WorldConfig, check_question_types
 from trainer.precision import resolve as resolve_precision
 
@@ -114,80 +109,6 @@ def _unreliable_passages(cfg: WorldConfig, people: dict[str, str], city_country:
     return out
 
 
-def stream(seed: int | str, *names: object) -> random.Random:
-    """A random stream of its own for one named feature (a question type, a teacher's draw): seeded by
-    (seed, names) alone, so a draw added elsewhere never moves it.
-
-    >>> stream(0, "question_type", "compare").random() == stream(0, "question_type", "compare").random()
-    True
-    """
-    key = "|".join(str(x) for x in (seed, *names)).encode()
-    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
-
-
-@dataclass
-class Split:
-    """What a question type reads: the world's facts and the people of the split it asks about."""
-
-    people: dict[str, str]  # person -> birth city
-    city_country: dict[str, str]
-    person_id: dict[str, str]  # person -> passage id
-    city_id: dict[str, str]
-    misinfo: set[str]  # people with a misinformation passage (world.misinfo_frac)
-    persons: list[str]  # this split's people, in order
-
-    born_in: dict[str, list[str]] = field(init=False)  # city -> this split's people born there
-
-    def __post_init__(self) -> None:
-        self.born_in = {}
-        for p in self.persons:
-            self.born_in.setdefault(self.people[p], []).append(p)
-
-    def category(self, person: str) -> str | None:
-        return "misinfo" if person in self.misinfo else None
-
-
-def one_hop(qid: str, person: str, w: Split, rng: random.Random) -> dict:
-    city = w.people[person]
-    return _question(qid, "1hop", person, city, city, [w.person_id[person]], w.category(person))
-
-
-def two_hop(qid: str, person: str, w: Split, rng: random.Random) -> dict:
-    city = w.people[person]  # gold: the passages that answer it, in hop order
-    return _question(qid, "2hop", person, city, w.city_country[city], [w.person_id[person], w.city_id[city]],
-                     w.category(person))  # fmt: skip
-
-
-def compare(qid: str, person: str, w: Split, rng: random.Random) -> dict:
-    """"Were P and Q born in the same city?" -> yes / no. The two hops are independent (neither query needs
-    the other's answer), so one parallel call can ask both. Q is of the same split; where anyone else
-    there shares P's city, Q does half the time (else "no" would be right almost always)."""
-    city = w.people[person]
-    same = [p for p in w.born_in[city] if p != person]
-    if same and rng.random() < 0.5:
-        other = rng.choice(same)
-    else:  # anyone of the split born elsewhere
-        other = rng.choice(w.persons)
-        while w.people[other] == city:
-            other = rng.choice(w.persons)
-    record = _question(qid, "compare", person, city, "yes" if w.people[other] == city else "no",
-                       [w.person_id[person], w.person_id[other]], w.category(person))  # fmt: skip
-    record["question"] = f"Were {person} and {other} born in the same city?"
-    record["metadata"] |= {"person2": other, "city2": w.people[other]}
-    return record
-
-
-# A question type: (id, person, the split, the type's own random stream) -> one question record about that
-# person. world.question_types names the ones a world asks, in this order per person.
-# The dict trainer/config.py checks world.question_types against.
-QUESTION_TYPES: dict[str, Callable[[str, str, Split, random.Random], dict]] = TYPE_TABLE
-QUESTION_TYPES |= {
-    "1hop": one_hop,
-    "2hop": two_hop,
-    "compare": compare,
-}
-
-
 def generate_world(cfg: WorldConfig) -> World:
     """A seeded encyclopedia: the same config gives the same world, byte for byte."""
     check_question_types(cfg.question_types)
@@ -248,7 +169,7 @@ def generate_world(cfg: WorldConfig) -> World:
                 taken_people.add(ghost)
                 city = ghost_rng.choice(cities)
                 for kind, answer in (("1hop", city), ("2hop", city_country[city])):
-                    records.append(_question(f"{split}-{kind}-{len(records)}", kind, ghost, city, answer, [],
+                    records.append(question_record(f"{split}-{kind}-{len(records)}", kind, ghost, city, answer, [],
                                              "unanswerable"))  # fmt: skip
         if cfg.unanswerable_frac > 0 or cfg.misinfo_frac > 0:
             ghost_rng.shuffle(records)  # a max_questions prefix of the split then holds every category
@@ -273,15 +194,6 @@ def _misinfo_passage(pid: str, person: str, wrong: str, rng: random.Random) -> d
     (the name and "born" repeated, BM25's term frequency). Only site:tinypedia.org avoids it."""
     text = f"{person} born in {wrong}. Fans of {person} say {person} was born in the city of {wrong}."
     return _passage(pid, f"{person} born", text, rng, rng.choice(UNRELIABLE_DOMAINS))
-
-
-def _question(qid: str, kind: str, person: str, city: str, answer: str, gold_ids: list[str],
-              category: str | None = None) -> dict:  # fmt: skip
-    text = f"Where was {person} born?" if kind == "1hop" else f"In which country was {person} born?"
-    meta = {"type": kind, "person": person, "city": city, "gold_ids": gold_ids, "data_source": "tiny"}
-    if category:  # "unanswerable" or "misinfo"; plain questions have none (their records are unchanged)
-        meta["category"] = category
-    return {"id": qid, "question": text, "golden_answers": [answer], "metadata": meta}
 
 
 def hinted_confidence(rng: random.Random, right: bool, p_hint: float, drawn: int) -> int:
