@@ -488,14 +488,16 @@ def _coerce(value: object, kind: type, key: str) -> object:
 # all read this one table. Every script that runs a protocol imports it before it reads a config; until
 # then (trainer/plan.py) the key is left unchecked here, and agent/protocols.get checks it before a rollout.
 PROTOCOLS: dict = {}
-# tiny/world.py's table of question types (world.question_types), filled where it is imported, as PROTOCOLS
+# tiny/questions.py's table of question types (world.question_types), filled as it loads, as PROTOCOLS is
 QUESTION_TYPES: dict = {}
 
 
 def check_question_types(types: list) -> None:
+    """world.question_types against the table: a known type or more (tiny/world.generate_world checks it too)."""
     if not types or any(k not in QUESTION_TYPES for k in types):
         raise ConfigError(f"config key 'world.question_types' must list some of {', '.join(QUESTION_TYPES)}; "
                           f"got {', '.join(map(str, types)) or 'none'}")  # fmt: skip
+
 
 # Keys whose value must be one of a few words; a typo is an error naming the key, not a silent default.
 CHOICES = {
@@ -541,7 +543,7 @@ def _check_choices(cfg: Config) -> None:
         if allowed and value not in allowed:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {shown(value)}")
     _check_encoder_family(cfg.retriever)
-    if QUESTION_TYPES:  # the scripts that build a world import the table (tiny/world.py) before they read a config
+    if QUESTION_TYPES:  # the scripts that build a world import the table (tiny/questions.py) before they read a config
         check_question_types(cfg.world.question_types)
     if cfg.sft.think_cites_source and cfg.rollout.protocol != "search_r1":
         raise ConfigError("config key 'sft.think_cites_source' is for the Search-R1 teacher (world.teacher_segments); "
