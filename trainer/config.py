@@ -101,7 +101,7 @@ class WorldConfig:
     # misinfo_frac: share of people with an unreliable-domain passage that outranks the reliable
     # one on a plain query and states a wrong city (WebFilter: only site: finds the truth).
     misinfo_frac: float = 0.0
-    # the kinds of question asked of each person (tiny/world.py QUESTION_TYPES): 1hop, 2hop, compare
+    # the kinds of question asked of each person (tiny/questions.py QUESTION_TYPES): 1hop, 2hop, compare
     # ("were P and Q born in the same city?", two independent hops); set away from the default, the world is another
     question_types: list = field(default_factory=lambda: ["1hop", "2hop"])
     cache_dir: str = "cache"
