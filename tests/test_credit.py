@@ -114,9 +114,9 @@ def test_a_reward_that_cannot_take_its_keywords_is_refused_in_one_line_before_an
 
 @pytest.mark.slow
 def test_the_per_turn_fork_recipe_trains_with_dynamic_sampling(micro, tmp_path):
-    """The README's per-turn recipe, copied as written, trains two GRPO steps; the same run has
+    """docs/fork.md's per-turn recipe, copied as written, trains two GRPO steps; the same run has
     train.filter_groups and train.mask_truncated on, so their wiring is exercised too."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs/fork.md").read_text()
     block = readme.split("<!-- fork-recipe-turns -->")[1].split("<!-- /fork-recipe-turns -->")[0]
     code, command = block.split("```python")[1].split("```")[0], block.split("```bash")[1].split("```")[0]
     (tmp_path / "my_turn_reward.py").write_text(code)

@@ -35,12 +35,14 @@ Run: `python -m tiny.sft --config configs/tiny.yaml` builds the world, the token
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,7 +67,8 @@ from tiny.world import (
     world_dir,
 )
 from trainer.batching import pad_batch, token_budget_batches, token_logprobs
-from trainer.config import Config, ConfigError, ModelConfig, SFTConfig, load_config
+from trainer.config import Config, ConfigError, ModelConfig, RolloutConfig, SFTConfig, WorldConfig, load_config
+from trainer.engine import load_policy, load_tokenizer
 from trainer.precision import describe as describe_precision
 from trainer.precision import resolve as resolve_precision
 
@@ -324,6 +327,39 @@ def warn_if_it_cannot_copy(policy_dir: Path) -> None:
               f"(docs/design.md §10); raise sft.steps.", file=sys.stderr)  # fmt: skip
 
 
+def base_config(cfg: Config) -> Config:
+    """sft.continue_from: auto: the config whose start a fork continues from, this one with rollout.protocol,
+    world.question_types and sft.continue_* at their defaults (configs/quickstart.yaml's fork: the quick start)."""
+    base = copy.deepcopy(cfg)
+    base.rollout.protocol, base.world.question_types = RolloutConfig.protocol, WorldConfig().question_types
+    base.sft.continue_from, base.sft.continue_steps = SFTConfig.continue_from, SFTConfig.continue_steps
+    return base
+
+
+def base_policy(cfg: Config) -> Path:
+    """The policy directory a fork continues from (sft.continue_from): auto, base_config's start (built first
+    where it is not cached), or a built policy directory."""
+    if cfg.sft.continue_from == "auto":
+        return ensure_tiny_policy(base_config(cfg))
+    base = Path(cfg.sft.continue_from)
+    if not (base / "DONE").exists():
+        raise ConfigError(f"config key 'sft.continue_from' must be auto or a built policy directory; {base} has no "
+                          "DONE file")  # fmt: skip
+    return base
+
+
+def continued_start(cfg: Config, base: Path, policy_dir: Path):
+    """(model, tokenizer) of a fork's start: the base start's weights and tokenizer, the protocol's tags added as
+    whole tokens (the embedding grows to the next multiple of 64 where they do not fit). The same world's
+    corpus, so the same BPE serves."""
+    tokenizer, model = load_tokenizer(base), load_policy(base, "float32")
+    tokenizer.add_tokens([t for t in protocols.get(cfg.rollout.protocol).tokens if t not in tokenizer.get_vocab()])
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(64 * math.ceil(len(tokenizer) / 64))
+    tokenizer.save_pretrained(policy_dir)
+    return model, tokenizer
+
+
 def ensure_tiny_policy(cfg: Config) -> Path:
     """Build world, tokenizer and SFT policy once per config key; return the policy dir."""
     out = world_dir(cfg)
@@ -332,6 +368,7 @@ def ensure_tiny_policy(cfg: Config) -> Path:
         warn_if_it_cannot_copy(policy_dir)
         return policy_dir
     t0 = time.time()
+    base = base_policy(cfg) if cfg.sft.continue_from else None  # a bad path is refused before anything is built
     torch.manual_seed(cfg.world.seed)
     ensure_world_data(cfg)
     tool = world_search_tool(cfg, out)
@@ -341,24 +378,35 @@ def ensure_tiny_policy(cfg: Config) -> Path:
             f.write(json.dumps(t) + "\n")
     corpus_texts = [json.loads(line)["contents"] for line in open(out / "corpus.jsonl")]
     texts = corpus_texts + ["".join(s for s, _ in t) for t in trajectories[:2000]]
-    tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir, protocols.get(cfg.rollout.protocol).tokens)
+    if cfg.sft.continue_from:  # a fork: the base start's tokenizer and weights, a short SFT on this teacher
+        model, tokenizer = continued_start(cfg, base, policy_dir)
+    else:
+        tokenizer = train_tokenizer(texts, cfg.model.vocab_size, policy_dir, protocols.get(cfg.rollout.protocol).tokens)
     examples = []
     for t in trajectories:
         ids, mask = tokenize_segments(tokenizer, t, cfg.rollout.max_obs_tokens)
         if cfg.sft.train_on_observations:  # every token after the prompt is a target
             mask = [0] * mask.index(1) + [1] * (len(ids) - mask.index(1))
         examples.append((ids + [tokenizer.eos_token_id], mask + [1]))
-    model = build_tiny_model(cfg.model, tokenizer)
+    scfg = cfg.sft
+    if cfg.sft.continue_from:  # continue_steps at the same lr, its warm-up at most a fifth of them
+        steps = cfg.sft.continue_steps
+        scfg = replace(cfg.sft, steps=steps, warmup_steps=min(cfg.sft.warmup_steps, steps // 5))
+    else:
+        model = build_tiny_model(cfg.model, tokenizer)
     lengths = sorted(len(e[0]) for e in examples)
     print(
         f"tiny policy: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
         f"{len(examples)} SFT trajectories, median {lengths[len(lengths) // 2]} tokens"
+        + (f", {scfg.steps} steps on from {base}" if cfg.sft.continue_from else "")
     )
     # the probe is written in Search-R1's tags; another protocol's policy is not probed
     probe = copy_probe(cfg, out, tool, tokenizer) if cfg.rollout.protocol == "search_r1" else None
-    history, probes = sft_train(model, examples, cfg.sft, tokenizer.eos_token_id, cfg.world.seed, probe)
+    history, probes = sft_train(model, examples, scfg, tokenizer.eos_token_id, cfg.world.seed, probe)
     model.save_pretrained(policy_dir, safe_serialization=True)
-    summary = {"sft_seconds": round(time.time() - t0, 1), "final_loss": sum(history[-50:]) / 50, "copy_acc": probes}
+    summary = {"sft_seconds": round(time.time() - t0, 1), "final_loss": sum(history[-50:]) / len(history[-50:]),
+               "copy_acc": probes} | ({"continued_from": str(base), "steps": scfg.steps} if cfg.sft.continue_from
+                                      else {})  # fmt: skip
     (out / "sft_summary.json").write_text(json.dumps(summary, indent=1))
     with open(out / "sft_loss.jsonl", "w") as f:
         for step, loss in enumerate(history):

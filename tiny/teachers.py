@@ -27,17 +27,20 @@ import json
 import random
 import re
 import zlib
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from agent import protocols
 from agent.answers import OBSERVATIONS, exact_match, parse_response
 from rollout import render_prompt, rollout_batch
 from search.tools import make_search_fn
+from tiny.questions import stream
 from tiny.world import (
     _BORN,
     _IN_COUNTRY,
     RELIABLE_DOMAIN,
     UNFAITHFUL_THINK,
+    born_city,
     ensure_world_data,
     generate_world,
     hinted_confidence,
@@ -56,6 +59,18 @@ class Flaws:
     unfaithful: bool
     idk: bool
     rng: random.Random  # guesses and confidences
+    named: dict = field(default_factory=dict)  # NAMED_DRAWS' values, by name
+
+
+# Draws added since the five above, each on a stream of its own (questions.stream: the seed, the question, the
+# draw's name), so adding one moves no other draw. The first five keep sharing the question's one stream,
+# in their order: moving them would change every cached protocol world's SFT data (the golden hashes in
+# tests/test_fork_worlds.py pin it). A new draw is a line here: name -> (its stream, the SFT config) -> value.
+NAMED_DRAWS: dict[str, Callable[[random.Random, object], object]] = {
+    # a compare question's two searches in one call, where the protocol splits a search (query_sep)
+    "parallel": lambda rng, sft: rng.random() < PARALLEL_SHARE,
+}
+PARALLEL_SHARE = 0.5  # the teacher of a parallel protocol asks both at once half the time: RL has both to weigh
 
 
 def draw_flaws(question: dict, sft, seed: int) -> Flaws:
@@ -67,6 +82,7 @@ def draw_flaws(question: dict, sft, seed: int) -> Flaws:
         unfaithful=rng.random() < sft.p_unfaithful_think,
         idk=rng.random() < sft.p_idk,
         rng=rng,
+        named={name: draw(stream(seed, question["id"], name), sft) for name, draw in NAMED_DRAWS.items()},
     )
 
 
@@ -106,16 +122,14 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
         conf = None if final_conf is None else hinted_confidence(rng, right, confidence_hint, final_conf)
         return render(protocol, think, "answer", value, conf, confidence_after)
 
+    compare = meta["type"] == "compare"
     if flaws.no_search:
-        guess = rng.choice(countries if two_hop else cities)
-        return answer(f"I guess {person} was born in {guess}.", guess)
+        guess = rng.choice(("yes", "no") if compare else countries if two_hop else cities)
+        return answer(f"I guess the answer is {guess}." if compare else f"I guess {person} was born in {guess}.", guess)
     actions = [k for k, _ in blocks if k in ("search", "tool_call", "read")]
     searches = sum(k != "read" for k in actions)
-    if not searches:
-        goal = "the country where" if two_hop else "where"
-        return render(protocol, f"I need {goal} {person} was born.", "search", f"{person} born{flaws.site}", step_conf)
     last = observations[-1] if observations else ""
-    if protocol == "deliberative" and actions[-1] == "search":  # a list of sources: read the first
+    if protocol == "deliberative" and actions and actions[-1] == "search":  # a list of sources: read the first
         first = re.search(r"\[([^\]\s]+)\]", last)
         if first:
             return render(protocol, "The first source should say.", "read", first.group(1), step_conf)
@@ -123,6 +137,11 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
     def said(fact: str) -> str:  # after reading: restate it, or (unfaithful) ignore it
         return UNFAITHFUL_THINK if flaws.unfaithful else fact
 
+    if compare:
+        return compare_turn(protocol, meta, searches, " ".join(observations), flaws, cities, step_conf, answer, said)
+    if not searches:
+        goal = "the country where" if two_hop else "where"
+        return render(protocol, f"I need {goal} {person} was born.", "search", f"{person} born{flaws.site}", step_conf)
     if searches >= 2:  # the second hop's result: the city's country
         m = _IN_COUNTRY.search(last)
         country = m.group(2) if m else rng.choice(countries)
@@ -137,6 +156,28 @@ def next_turn(protocol: str, question: dict, response: str, flaws: Flaws, countr
         return answer(f"{fact} It is in the country of {guess}.", guess)
     return render(protocol, said(f"{fact} I need the country of {city}."), "search", f"{city} country{flaws.site}",
                   step_conf)  # fmt: skip
+
+
+def compare_turn(protocol: str, meta: dict, searches: int, read: str, flaws: Flaws, cities: list[str],
+                 step_conf: int | None, answer: Callable, said: Callable) -> str:  # fmt: skip
+    """A compare question's next turn ("Were P and Q born in the same city?"): search P, then Q, or both in
+    one call where the protocol splits a search into queries (query_sep) and the draw "parallel" says so;
+    then answer whether the cities it read agree. After the first of two searches it may guess "no"
+    (the 2-hop teacher's guess_second_hop)."""
+    p, q, sep = meta["person"], meta["person2"], protocols.get(protocol).query_sep
+    both = bool(sep) and bool(flaws.named.get("parallel"))
+    if not searches:
+        queries = f"{p} born{flaws.site}" + (f" {sep.strip()} {q} born{flaws.site}" if both else "")
+        return render(protocol, f"I need where {p} and {q} were born.", "search", queries, step_conf)
+    first = born_city(read, p) or flaws.rng.choice(cities)  # believes what it read; found nothing: guesses
+    fact = f"{p} was born in the city of {first}."
+    if searches == 1 and not both:
+        if flaws.guess_second_hop:
+            return answer(f"{fact} I guess {q} was born elsewhere.", "no")
+        return render(protocol, said(f"{fact} I need where {q} was born."), "search", f"{q} born{flaws.site}",
+                      step_conf)  # fmt: skip
+    second = born_city(read, q) or flaws.rng.choice(cities)
+    return answer(said(f"{fact} {q} was born in the city of {second}."), "yes" if first == second else "no")
 
 
 class CharTokenizer:

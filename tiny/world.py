@@ -14,9 +14,10 @@ memory: searching is necessary, which makes the effect of RL visible on a laptop
                        #  "golden_answers": ["Velor"], "metadata": {"type": "1hop",
                        #  "gold_ids": ["p17"], ...}}
 
-Question types:
-  1hop  "Where was P born?"                -> the city   (one search: "P born")
-  2hop  "In which country was P born?"     -> the country (two searches: "P born", "C country")
+Question types (`world.question_types`; tiny/questions.py, one function and one line each):
+  1hop     "Where was P born?"                    -> the city    (one search: "P born")
+  2hop     "In which country was P born?"         -> the country (two searches in sequence: "P born", "C country")
+  compare  "Were P and Q born in the same city?"  -> yes / no    (two independent searches: "P born", "Q born")
 
 The teacher (`teacher_segments`) writes Search-R1-format trajectories and is deliberately
 imperfect (docs/design.md §5): on a 2-hop question it often guesses the country after the first hop,
@@ -39,7 +40,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import Config, WorldConfig
+from tiny.questions import QUESTION_TYPES, Split, question_record, stream
+from trainer.config import Config, WorldConfig, check_question_types
 from trainer.precision import resolve as resolve_precision
 
 CONSONANTS = "bdfgklmnprstvz"
@@ -109,6 +111,7 @@ def _unreliable_passages(cfg: WorldConfig, people: dict[str, str], city_country:
 
 def generate_world(cfg: WorldConfig) -> World:
     """A seeded encyclopedia: the same config gives the same world, byte for byte."""
+    check_question_types(cfg.question_types)
     rng = random.Random(cfg.seed)
     taken: set[str] = set()
     countries = _names(rng, cfg.n_countries, (2, 3), taken)
@@ -146,15 +149,14 @@ def generate_world(cfg: WorldConfig) -> World:
     questions: dict[str, list[dict]] = {}
     ghost_rng = random.Random(cfg.seed + 104729)  # its own stream: the rest of the world is unchanged
     taken_people = set(people)
+    # each type draws from a stream of its own (stream()), so a type added to a world moves no other draw
+    kinds = {kind: stream(cfg.seed, "question_type", kind) for kind in cfg.question_types}
     for split, persons in pools.items():
         records = []
+        split_world = Split(people, city_country, person_id, city_id, misinfo, persons)
         for person in persons:
-            city = people[person]
-            gold = [person_id[person], city_id[city]]  # the passages that answer it, in hop order
-            category = "misinfo" if person in misinfo else None
-            records.append(_question(f"{split}-1hop-{len(records)}", "1hop", person, city, city, gold[:1], category))
-            records.append(_question(f"{split}-2hop-{len(records)}", "2hop", person, city, city_country[city], gold,
-                                     category))  # fmt: skip
+            for kind, kind_rng in kinds.items():
+                records.append(QUESTION_TYPES[kind](f"{split}-{kind}-{len(records)}", person, split_world, kind_rng))
         if cfg.unanswerable_frac > 0:  # people the corpus never mentions (BAPO: the answer is "I don't know")
             for _ in range(round(cfg.unanswerable_frac * len(persons))):
                 ghost = f"{ghost_rng.choice(first)} {ghost_rng.choice(last)}"
@@ -167,7 +169,7 @@ def generate_world(cfg: WorldConfig) -> World:
                 taken_people.add(ghost)
                 city = ghost_rng.choice(cities)
                 for kind, answer in (("1hop", city), ("2hop", city_country[city])):
-                    records.append(_question(f"{split}-{kind}-{len(records)}", kind, ghost, city, answer, [],
+                    records.append(question_record(f"{split}-{kind}-{len(records)}", kind, ghost, city, answer, [],
                                              "unanswerable"))  # fmt: skip
         if cfg.unanswerable_frac > 0 or cfg.misinfo_frac > 0:
             ghost_rng.shuffle(records)  # a max_questions prefix of the split then holds every category
@@ -192,15 +194,6 @@ def _misinfo_passage(pid: str, person: str, wrong: str, rng: random.Random) -> d
     (the name and "born" repeated, BM25's term frequency). Only site:tinypedia.org avoids it."""
     text = f"{person} born in {wrong}. Fans of {person} say {person} was born in the city of {wrong}."
     return _passage(pid, f"{person} born", text, rng, rng.choice(UNRELIABLE_DOMAINS))
-
-
-def _question(qid: str, kind: str, person: str, city: str, answer: str, gold_ids: list[str],
-              category: str | None = None) -> dict:  # fmt: skip
-    text = f"Where was {person} born?" if kind == "1hop" else f"In which country was {person} born?"
-    meta = {"type": kind, "person": person, "city": city, "gold_ids": gold_ids, "data_source": "tiny"}
-    if category:  # "unanswerable" or "misinfo"; plain questions have none (their records are unchanged)
-        meta["category"] = category
-    return {"id": qid, "question": text, "golden_answers": [answer], "metadata": meta}
 
 
 def hinted_confidence(rng: random.Random, right: bool, p_hint: float, drawn: int) -> int:
@@ -298,6 +291,9 @@ def teacher_segments(
     habits = habits or Habits()
     meta = question["metadata"]
     person, kind = meta["person"], meta["type"]
+    if kind == "compare":  # its draws on a stream of its own: a world that adds it moves no other trajectory's
+        return compare_segments(question, search, stream(person, question["id"], "teacher"), p_guess_second_hop,
+                                p_no_search)  # fmt: skip
     if rng.random() < p_no_search:
         guess = rng.choice(countries if kind == "2hop" else cities)
         return [(f"<think> I guess {person} was born in {guess}.</think><answer> {guess}</answer>", "policy")]
@@ -341,6 +337,38 @@ def teacher_segments(
     chain = f"{fact} {second}" if habits.cites_source else second
     segs.append((f"{think(chain)}<answer> {country}</answer>", "policy"))
     return segs
+
+
+def born_city(text: str, person: str) -> str | None:
+    """The city a passage in `text` says `person` was born in ("P was born in the city of C.")."""
+    m = re.search(rf"{re.escape(person)} was born in the city of (\w+)\.", text)
+    return m.group(1) if m else None
+
+
+def compare_segments(question: dict, search, rng: random.Random, p_guess_second_hop: float,
+                     p_no_search: float) -> list[tuple[str, str]]:  # fmt: skip
+    """The Search-R1 teacher on "Were P and Q born in the same city?": search P, then Q, compare the
+    cities it read. Its flaws as on 2-hop: no search at all, or a guess ("no") after the first hop.
+
+      <think> I need where P and Q were born.</think><search> P born</search> <information>..</information>
+      <think> P was born in the city of C. I need where Q was born.</think><search> Q born</search> <information>..
+      <think> P was born in the city of C. Q was born in the city of D.</think><answer> no</answer>
+    """
+    meta = question["metadata"]
+    p, q = meta["person"], meta["person2"]
+    if rng.random() < p_no_search:
+        guess = rng.choice(("yes", "no"))
+        return [(f"<think> I guess the answer is {guess}.</think><answer> {guess}</answer>", "policy")]
+    segs = [(f"<think> I need where {p} and {q} were born.</think><search> {p} born</search>", "policy")]
+    segs.append((search(f"{p} born"), "obs"))
+    fact = f"{p} was born in the city of {born_city(segs[-1][0], p) or meta['city']}."
+    if rng.random() < p_guess_second_hop:
+        return segs + [(f"<think> {fact} I guess {q} was born elsewhere.</think><answer> no</answer>", "policy")]
+    segs.append((f"<think> {fact} I need where {q} was born.</think><search> {q} born</search>", "policy"))
+    segs.append((search(f"{q} born"), "obs"))
+    second = born_city(segs[-1][0], q) or meta["city2"]
+    same = "yes" if second == (born_city(segs[1][0], p) or meta["city"]) else "no"
+    return segs + [(f"<think> {fact} {q} was born in the city of {second}.</think><answer> {same}</answer>", "policy")]
 
 
 def world_key(cfg: Config) -> str:

@@ -101,6 +101,9 @@ class WorldConfig:
     # misinfo_frac: share of people with an unreliable-domain passage that outranks the reliable
     # one on a plain query and states a wrong city (WebFilter: only site: finds the truth).
     misinfo_frac: float = 0.0
+    # the kinds of question asked of each person (tiny/questions.py QUESTION_TYPES): 1hop, 2hop, compare
+    # ("were P and Q born in the same city?", two independent hops); set away from the default, the world is another
+    question_types: list = field(default_factory=lambda: ["1hop", "2hop"])
     cache_dir: str = "cache"
 
 
@@ -163,6 +166,11 @@ class SFTConfig:
     # With model.path (your own model): fine-tune it on this teacher first, its trajectories in
     # the model's chat template and tokenizer (tiny/warm_start.py), so GRPO starts with a signal.
     warm_start: bool = False
+    # A fork's cheap start (tiny/sft.continued_start): continue_from "auto" starts from the cached start of this
+    # config with the default protocol and question types (the quick start's, for configs/quickstart.yaml), or
+    # from a policy directory, and trains continue_steps SFT steps on this config's teacher, not `steps` from nothing.
+    continue_from: str = ""
+    continue_steps: int = 600  # 200 left the compare start at validation EM 0.39, 600 at 0.575 (docs/fork.md)
 
 
 @dataclass
@@ -486,6 +494,16 @@ def _coerce(value: object, kind: type, key: str) -> object:
 # all read this one table. Every script that runs a protocol imports it before it reads a config; until
 # then (trainer/plan.py) the key is left unchecked here, and agent/protocols.get checks it before a rollout.
 PROTOCOLS: dict = {}
+# tiny/questions.py's table of question types (world.question_types), filled as it loads, as PROTOCOLS is
+QUESTION_TYPES: dict = {}
+
+
+def check_question_types(types: list) -> None:
+    """world.question_types against the table: a known type or more (tiny/world.generate_world checks it too)."""
+    if not types or any(k not in QUESTION_TYPES for k in types):
+        raise ConfigError(f"config key 'world.question_types' must list some of {', '.join(QUESTION_TYPES)}; "
+                          f"got {', '.join(map(str, types)) or 'none'}")  # fmt: skip
+
 
 # Keys whose value must be one of a few words; a typo is an error naming the key, not a silent default.
 CHOICES = {
@@ -531,6 +549,8 @@ def _check_choices(cfg: Config) -> None:
         if allowed and value not in allowed:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(allowed)}; got {shown(value)}")
     _check_encoder_family(cfg.retriever)
+    if QUESTION_TYPES:  # the scripts that build a world import the table (tiny/questions.py) before they read a config
+        check_question_types(cfg.world.question_types)
     if cfg.sft.think_cites_source and cfg.rollout.protocol != "search_r1":
         raise ConfigError("config key 'sft.think_cites_source' is for the Search-R1 teacher (world.teacher_segments); "
                           f"rollout.protocol is {shown(cfg.rollout.protocol)}")  # fmt: skip
@@ -580,6 +600,7 @@ RANGES = {
     "model.vocab_size": ">= 1",
     "sft.steps": ">= 0",  # 0: the untrained policy (RL from scratch)
     "sft.batch_tokens": ">= 1",
+    "sft.continue_steps": ">= 1",
     "sft.lr": "> 0",
     "sft.warmup_steps": ">= 0",
     "sft.decay_frac": "[0, 1]",
