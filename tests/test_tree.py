@@ -6,6 +6,8 @@ trajectory a chain rollout with the leaf's per-turn seeds produces: the same tok
 its shared prefix's engine logprobs copied exactly from its parent.
 """
 
+import html
+import re
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -15,6 +17,7 @@ from numerics import assert_close, logprob_atol, model_vocab
 from test_masking import roll, setup
 
 import rollout_tree
+from report.viewer import render
 from rollout import _record, _State, prompt_ids, rollout_batch, run_states
 from search.tools import make_search_fn
 from train import update_stage
@@ -132,3 +135,19 @@ def test_tree_rollouts_grow_leaves_that_are_their_chains(vllm_engine, world, mic
 
 def rollout_trees_of(engine, tok, questions, search_fn, rcfg):
     return rollout_tree.rollout_trees(engine, tok, questions, search_fn, rcfg, seed=5, group_prefix="v:")
+
+
+def test_the_viewer_groups_a_trees_leaves_and_fades_the_shared_prefix(tmp_path):
+    tok, cfg, _, engine = setup(tmp_path)
+    chain = roll(tok, cfg, engine, DOC)
+    shared = chain["chunks"][1]["end"]  # the first step: the search and its observation
+    records = [dict(chain, tree={"tree_id": "q1/t0", "parent": None, "node": 0, "shared_prefix_len": 0}),
+               dict(chain, sample=1, tree={"tree_id": "q1/t0", "parent": 0, "node": 1, "shared_prefix_len": shared}),
+               dict(chain, sample=2, tree={"tree_id": "q1/t1", "parent": None, "node": 0, "shared_prefix_len": 0})]
+    page = render(records)
+    assert page.count('<details class="tree"') == 2 and "tree q1/t0: 2 leaves" in page
+    first, branch = page.split('id="r1"')[0].split('id="r0"')[1], page.split('id="r1"')[1].split('id="r2"')[0]
+    assert not re.search(r'class="[^"]*\bsh\b', first)  # a first chain shares nothing
+    assert "from sample 0 after step 1" in branch
+    faded = "".join(re.findall(r'<span class="[^"]*\bsh\b[^"]*"[^>]*>([^<]*)</span>', branch))
+    assert html.unescape(faded) == chain["chunks"][0]["text"] + chain["chunks"][1]["text"]
