@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT
 from numerics import assert_close, logprob_atol, model_vocab
 from test_masking import roll, setup
 
@@ -151,3 +152,35 @@ def test_the_viewer_groups_a_trees_leaves_and_fades_the_shared_prefix(tmp_path):
     assert "from sample 0 after step 1" in branch
     faded = "".join(re.findall(r'<span class="[^"]*\bsh\b[^"]*"[^>]*>([^<]*)</span>', branch))
     assert html.unescape(faded) == chain["chunks"][0]["text"] + chain["chunks"][1]["text"]
+
+
+@pytest.mark.numeric
+def test_the_fork_recipe_of_docs_tree_md_branches_where_its_rule_says(vllm_engine, world, monkeypatch):
+    """docs/tree.md's branching rule, run as written: each branch regrows from the node whose next
+    step had the highest mean surprisal."""
+    cfg, tok, questions, search_fn, _ = world
+    code = (ROOT / "docs" / "tree.md").read_text().split("```python\n")[1].split("```")[0]
+    monkeypatch.setattr(rollout_tree, "choose_nodes", rollout_tree.choose_nodes)  # restored after the test
+    scope: dict = {}
+    exec(code, scope)
+    rule = scope["least_sure_step"]
+    assert rollout_tree.choose_nodes is rule
+    seen, sizes = [], []
+
+    def surprisal(node):  # the step after the node, as the recipe describes it
+        c = [c for c in node.state.chunks if c["role"] == "policy"][node.turns]
+        return -sum(node.state.logprobs[c["start"] : c["end"]]) / (c["end"] - c["start"])
+
+    def watched(candidates, n, rng):
+        seen.append(rule(candidates, n, rng))
+        assert surprisal(seen[-1][0]) == max(surprisal(c) for c in candidates)
+        sizes.append(len(candidates))
+        return seen[-1]
+
+    monkeypatch.setattr(rollout_tree, "choose_nodes", watched)
+    one = replace(cfg.rollout, tree_m=1, tree_n=1, tree_l=1)
+    leaves = rollout_trees_of(vllm_engine, tok, questions, search_fn, one)
+    assert max(sizes) >= 2  # a choice was made somewhere
+    branches = [r for r in leaves if r["tree"]["parent"] is not None]
+    assert [(r["tree"]["parent"], r["tree"]["node"]) for r in branches] == \
+        [(nodes[0].state.sample, nodes[0].turns) for nodes in seen]  # fmt: skip
