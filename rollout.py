@@ -175,6 +175,15 @@ class _State:
     invalid: list[dict] = field(default_factory=list)  # {"turn", "error"}: malformed actions
     finish: str = ""
     turns: int = 0
+    # rollout_tree.py's branches: (first turn, sample) pairs, the sample whose seeds turns from that
+    # one on draw with; empty: s.sample's all along (a chain)
+    lineage: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _seed_sample(s: _State, turn: int) -> int:
+    """The sample id in the seed of s's turn `turn`: a branch's turns up to its node are its
+    parent's (copied, with their seeds), the ones after it its own."""
+    return max([(t, k) for t, k in s.lineage if t <= turn], default=(0, s.sample))[1]
 
 
 def rollout_batch(
@@ -208,11 +217,6 @@ def rollout_batch(
     trajectories shared a batch.
     """
     proto = protocols.for_config(cfg)  # rollout.protocol's, or Search-R1's exact text (search_r1_text)
-    tools = search_fn if isinstance(search_fn, dict) else {"search": search_fn}
-    if hasattr(engine, "share_tool"):  # a tensor-parallel group's ranks: one call, shared (engine.share_tool)
-        tools = {name: engine.share_tool(fn) for name, fn in tools.items()}
-    # where an observation goes: inline in the protocol's tags, or a chat-template tool message
-    wrap = tool_message_wrap(tokenizer, proto) if cfg.chat_template and proto.tool_message else proto.obs
     states = []
     for qi, q in enumerate(questions):
         ids = prompt_ids(tokenizer, q["question"], cfg, proto)
@@ -220,6 +224,21 @@ def rollout_batch(
             states.append(_State(q, group_prefix + str(q["id"]), k, ids))
             if prefixes is not None:
                 _force_prefix(states[-1], prefixes[qi], tokenizer, cfg, proto)
+    run_states(engine, tokenizer, states, search_fn, cfg, greedy, seed)
+    return [_record(s, tokenizer, proto) for s in states]
+
+
+def run_states(engine, tokenizer, states: list[_State], search_fn, cfg: RolloutConfig, greedy: bool = False,
+               seed: int = 0) -> None:  # fmt: skip
+    """The tool loop over `states` until each has finished: fresh ones (a prompt only) or ones that
+    already hold some turns (rollout_tree.py's branches, copies of a node's state), which go on
+    from their last observation. Each state's `finish` is set."""
+    proto = protocols.for_config(cfg)
+    tools = search_fn if isinstance(search_fn, dict) else {"search": search_fn}
+    if hasattr(engine, "share_tool"):  # a tensor-parallel group's ranks: one call, shared (engine.share_tool)
+        tools = {name: engine.share_tool(fn) for name, fn in tools.items()}
+    # where an observation goes: inline in the protocol's tags, or a chat-template tool message
+    wrap = tool_message_wrap(tokenizer, proto) if cfg.chat_template and proto.tool_message else proto.obs
 
     def take(done: list[tuple[Request, Completion]]) -> tuple[list[Request], list[tuple[int, dict]]]:
         """Finished generations -> the next requests of those that need no tool, and the tool
@@ -273,7 +292,6 @@ def rollout_batch(
         run_in_turns(engine, first, on_done, **sampling)
     for s in states:
         s.finish = s.finish or "max_turns"
-    return [_record(s, tokenizer, proto) for s in states]
 
 
 def _next_turn(states: list[_State], i: int, cfg: RolloutConfig, proto: Protocol, seed: int) -> list[Request]:
@@ -286,7 +304,7 @@ def _next_turn(states: list[_State], i: int, cfg: RolloutConfig, proto: Protocol
         s.finish = "length"
     else:
         # stable per-rollout seeds (not Python's salted hash): a resumed run samples the same
-        key = zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{turn}".encode())
+        key = zlib.crc32(f"{seed}|{s.group_id}|{_seed_sample(s, turn)}|{turn}".encode())
         return [Request(i, s.prompt_ids + s.response_ids, min(cfg.max_tokens_per_turn, room), key, proto.stop)]
     return []
 
@@ -359,7 +377,7 @@ def _confidence_request(i: int, s: _State, cfg: RolloutConfig, seed: int) -> lis
     room = cfg.max_model_len - len(s.prompt_ids) - len(s.response_ids)
     if room < 1:
         return []
-    key = zlib.crc32(f"{seed}|{s.group_id}|{s.sample}|{s.turns}|confidence".encode())
+    key = zlib.crc32(f"{seed}|{s.group_id}|{_seed_sample(s, s.turns)}|{s.turns}|confidence".encode())
     return [Request(i, s.prompt_ids + s.response_ids, min(cfg.max_tokens_per_turn, room), key, CONFIDENCE_STOP)]
 
 

@@ -87,6 +87,7 @@ from eval import rollout_mode, summarize
 from report.metrics import batch_metrics, paper_metrics
 from rewards import REWARDS, check_reward
 from rollout import rollout_batch
+from rollout_tree import rollout_trees
 from run_setup import RunParts, setup
 from sampling import fill_varied_groups, resample_marked_groups, score_shared, trained_records, varied_groups
 from search.client import RetrieverError
@@ -146,6 +147,7 @@ from trainer.tracking import (
     summary_table,
     track,
 )
+from trainer.tree import tree_advantages
 from trainer.turns import grpo_turn_advantages, has_turn_rewards, turn_reward_means
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +239,9 @@ def roll_out(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
 def roll_out_mine(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
     """This engine's block of qs rolled out; no collective (train.overlap runs it in a thread)."""
     mine = my_share(qs, p.rank // p.tp, p.world // p.tp)
+    if p.cfg.rollout.tree_m:  # tree rollouts (rollout_tree.py): group_size leaves per question
+        return rollout_trees(p.engine, p.tokenizer, mine, p.search_fn, p.cfg.rollout, seed=seed,
+                             group_prefix=p.cfg.data.name + ":")  # fmt: skip
     return rollout_batch(p.engine, p.tokenizer, mine, p.cfg.train.group_size, p.search_fn, p.cfg.rollout, seed=seed,
                          group_prefix=p.cfg.data.name + ":")  # fmt: skip
 
@@ -383,9 +388,12 @@ def update_stage(p: RunParts, records: list[dict], step: int) -> dict:
         return ppo_update(p.model, p.ref, p.critic, trained, p.optimizer, p.critic_opt, cfg, pad_id, step, p.rank,
                           p.world)  # fmt: skip
     trained = trained_records(records, cfg)  # the same records, advantages set below
-    advantages = group_advantages(
-        [r["reward"] for r in records], [r["group_id"] for r in records], cfg.train.adv_eps, cfg.train.adv_std
-    )
+    rewards, groups = [r["reward"] for r in records], [r["group_id"] for r in records]
+    if cfg.rollout.tree_m:  # Tree-GRPO: inter- plus intra-tree (trainer/tree.py)
+        trees = [r["tree"]["tree_id"] for r in records]
+        advantages = tree_advantages(rewards, groups, trees, cfg.train.adv_eps, cfg.train.adv_std)
+    else:
+        advantages = group_advantages(rewards, groups, cfg.train.adv_eps, cfg.train.adv_std)
     for r, a in zip(records, advantages):
         r["advantage"] = a
     if cfg.train.turn_coef and has_turn_rewards(records):  # credit per search step (trainer/turns.py)

@@ -514,6 +514,8 @@ def batch_metrics(records: list[dict]) -> dict:
         "idk_rate": sum(parsed(r).idk for r in records) / n,
         "format_ok": sum(r["finish"] == "answer" for r in records) / n,
         "response_len": sum(sum(r["loss_mask"]) for r in records) / n,
+        # the step's policy tokens the engine generated: a tree leaf's copied prefix is not (rollout_tree.py)
+        "generated_tokens": sum(sum(r["loss_mask"][r.get("tree", {}).get("shared_prefix_len", 0) :]) for r in records),
         "searches_per_question": sum(r["num_searches"] for r in records) / n,
     } | search_means(records)
     by_type: dict[str, list[dict]] = {}

@@ -27,6 +27,10 @@ on diagonal stripes over their segment colour; trained tokens have plain black t
     chunks trained; records without chunks mask the observation segments (information,
     result, tool_response). Each card says which mode it used.
 
+Tree rollouts (rollout_tree.py, records with a "tree" field): the leaves of one tree are shown
+together under the tree's id, and in each branch the prefix it shares with the leaf it branched
+from (copied, not generated: tree.shared_prefix_len tokens) is faded, with where it branched.
+
 Filters: each trajectory gets exactly one kind, first match wins:
   format failure  answers.parsed(record).format_ok is False
   IDK             the parsed answer is an abstention (answers.IDK_ANSWERS)
@@ -80,6 +84,8 @@ h1{font-size:18px;margin:0 0 6px}
   border-top:1px dashed #ddd;padding-top:4px}
 .m{color:#555;background-image:repeating-linear-gradient(135deg,rgba(0,0,0,.14) 0 2px,transparent 2px 6px)}
 #q{width:220px}
+.tree{border-left:4px solid #6366f1;padding-left:8px;margin:10px 0}.tree>summary{font-weight:600;color:#4338ca}
+.sh{opacity:.5}
 """ + "".join(f".s-{k}{{background-color:{v}}}" for k, v in COLOURS.items())
 
 JS = """
@@ -210,12 +216,20 @@ def masking_units(record: dict, text: str, tokenizer=None) -> tuple[list[tuple[i
     return [(0, len(text), None, "")], "per segment (no chunks)"
 
 
+def shared_chars(record: dict) -> int:
+    """Characters of the response a tree branch shares with its parent: its chunks that lie within
+    tree.shared_prefix_len tokens (0 for a chain or a tree's first chain)."""
+    n = (record.get("tree") or {}).get("shared_prefix_len", 0)
+    return sum(len(c["text"]) for c in record.get("chunks") or [] if c["end"] <= n) if n else 0
+
+
 def render_response(record: dict, tokenizer=None) -> tuple[str, str]:
-    """HTML of the coloured, mask-shaded response and the masking mode."""
+    """HTML of the coloured, mask-shaded response (a tree branch's shared prefix faded) and the masking mode."""
     text = response_text(record)
     units, mode = masking_units(record, text, tokenizer)
     segs = segment_spans(record, text)
-    cuts = sorted({0, len(text), *(u[0] for u in units), *(s[0] for s in segs), *(s[1] for s in segs)})
+    shared = shared_chars(record)
+    cuts = sorted({0, len(text), shared, *(u[0] for u in units), *(s[0] for s in segs), *(s[1] for s in segs)})
     ustarts, sstarts = [u[0] for u in units], [s[0] for s in segs]
     out = []
     for a, b in zip(cuts, cuts[1:]):
@@ -226,7 +240,7 @@ def render_response(record: dict, tokenizer=None) -> tuple[str, str]:
         key = segs[j][2] if j >= 0 and a < segs[j][1] else ""
         if masked is None:
             masked = key in {ALIASES.get(o, o) for o in OBSERVATIONS}
-        cls = " ".join(c for c in (f"s-{key}" if key else "", "m" if masked else "") if c)
+        cls = " ".join(c for c in (f"s-{key}" if key else "", "m" if masked else "", "sh" if a < shared else "") if c)
         attrs = (f' class="{cls}"' if cls else "") + (f' title="{escape(hover)}"' if hover else "")
         out.append(f"<span{attrs}>{escape(text[a:b])}</span>")
     return "".join(out), mode
@@ -261,6 +275,8 @@ def render_card(record: dict, index: int, tokenizer=None) -> str:
         ("format", "ok" if p.format_ok else "failed"),
         ("confidence", str(p.confidence) if p.confidence is not None else "—"),
         ("masking", mode),
+        *([("branch", f"from sample {t['parent']} after step {t['node']}, {t['shared_prefix_len']} tokens shared")]
+          if (t := record.get("tree") or {}).get("parent") is not None else []),  # fmt: skip
     ]
     ident = " · ".join(escape(f"{k} {record[k]}") for k in ("group_id", "sample") if k in record)
     return (
@@ -284,7 +300,14 @@ def render(records: list[dict], tokenizer=None, title: str = "") -> str:
         f'<label><input type="checkbox" data-kind="{k}" checked> {v} ({kinds.count(k)})</label>'
         for k, v in KINDS.items()
     )
-    cards = "\n".join(render_card(r, i, tokenizer) for i, r in enumerate(records))
+    shown = [render_card(r, i, tokenizer) for i, r in enumerate(records)]
+    cards = "\n".join(shown)
+    if any("tree" in r for r in records):  # a tree's leaves together, under its id
+        trees: dict[str, list[str]] = {}
+        for i, (r, card) in enumerate(zip(records, shown)):
+            trees.setdefault((r.get("tree") or {}).get("tree_id", f"#{i}"), []).append(card)
+        cards = "\n".join(f'<details class="tree" open><summary>tree {escape(t)}: {len(c)} leaves</summary>'
+                           + "\n".join(c) + "</details>" for t, c in trees.items())  # fmt: skip
     return (
         f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
         f"<style>{CSS}</style></head>\n<body><h1>{escape(title)}</h1>"

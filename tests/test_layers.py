@@ -1,6 +1,6 @@
 """Imports run one way: each layer imports only what lies below it, at the top of the file.
 
-    trainer/  <  search/  <  agent/  <  rollout.py, rewards.py  <  report/  <  tiny/  <  data.py
+    trainer/  <  search/  <  agent/  <  rollout.py, rewards.py  <  rollout_tree.py, report/  <  tiny/  <  data.py
               <  run_setup.py, sampling.py  <  the entry scripts (eval.py, retriever.py, ..., train.py)
 
 trainer/ is the ground floor: the library every layer uses, importing nothing of the project above
@@ -13,9 +13,9 @@ from pathlib import Path
 
 from conftest import ROOT
 
-RANK = {"trainer": 0, "search": 1, "agent": 2, "rollout": 3, "rewards": 3, "report": 4, "tiny": 5, "data": 6,
-        "run_setup": 7, "sampling": 7, "eval": 8, "retriever": 8, "prepare_data": 8, "convert_gguf": 8,
-        "train": 9, "reproduce": 9}  # fmt: skip
+RANK = {"trainer": 0, "search": 1, "agent": 2, "rollout": 3, "rewards": 3, "rollout_tree": 4, "report": 4,
+        "tiny": 5, "data": 6, "run_setup": 7, "sampling": 7, "eval": 8, "retriever": 8, "prepare_data": 8,
+        "convert_gguf": 8, "train": 9, "reproduce": 9}  # fmt: skip
 
 
 def _modules():

@@ -268,6 +268,13 @@ class RolloutConfig:
     weight_sync: str = "memory"
     kv_block_size: int = 0  # vLLM KV block (the prefix-cache unit); 0: 32 on CPU (engine.kv_block_size), else vLLM's
     tensor_parallel_size: int = 1  # ranks that share one engine ("memory" only): a model too big for one GPU
+    # Tree rollouts (rollout_tree.py, docs/tree.md; Tree-GRPO, arXiv 2509.21240): M chains per question,
+    # then L rounds that each regrow the rest of the trajectory from N drawn nodes of every tree, so
+    # M (1 + N L) leaves per question (= train.group_size). 0: chains (rollout_batch). Tree-GRPO's
+    # multi-hop script (train_multihopqa_tree_search.sh): M 2, N 2, L 1
+    tree_m: int = 0
+    tree_n: int = 0
+    tree_l: int = 0
 
 
 @dataclass
@@ -629,6 +636,9 @@ RANGES = {
     "rollout.tensor_parallel_size": ">= 1",
     "rollout.tool_workers": ">= 0",
     "rollout.kv_block_size": ">= 0",
+    "rollout.tree_m": ">= 0",
+    "rollout.tree_n": ">= 0",
+    "rollout.tree_l": ">= 0",
     "train.seed": ">= 0",
     "train.steps": ">= 1",
     "train.questions_per_step": ">= 1",
@@ -706,6 +716,14 @@ def _check_ranges(cfg: Config) -> None:
     if t.algo == "grpo" and t.group_size < 2:
         raise ConfigError(f"config key 'train.group_size' must be >= 2 with train.algo grpo: a one-rollout group has "
                           f"advantage 0 under GRPO (only the KL term would train); use >= 2, or algo ppo/rft; "
+                          f"got {t.group_size}")  # fmt: skip
+    r = cfg.rollout
+    if not r.tree_m and (r.tree_n or r.tree_l):
+        raise ConfigError(f"config key 'rollout.tree_m' must be >= 1 with rollout.tree_n / tree_l set (the trees to "
+                          f"branch); got tree_m 0, tree_n {r.tree_n}, tree_l {r.tree_l}")  # fmt: skip
+    if r.tree_m and t.group_size != r.tree_m * (1 + r.tree_n * r.tree_l):
+        raise ConfigError(f"config key 'train.group_size' must be rollout.tree_m * (1 + tree_n * tree_l) = "
+                          f"{r.tree_m * (1 + r.tree_n * r.tree_l)} with tree rollouts (the leaves per question); "
                           f"got {t.group_size}")  # fmt: skip
     if 0 < t.dual_clip <= 1:
         raise ConfigError(f"config key 'train.dual_clip' must be 0 (off) or > 1 (dual-clip PPO's c: at c <= 1 the "
