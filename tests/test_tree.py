@@ -64,16 +64,16 @@ def test_tree_advantages_add_the_question_and_the_tree():
     assert tree_advantages([1, 0], ["q", "q"], ["t0", "t1"]) == pytest.approx([0.7071, -0.7071], abs=1e-4)
 
 
-def test_tree_keys_are_checked_in_one_line(tmp_path):
+@pytest.mark.parametrize("text, said", [
+    ("train: {group_size: 5}\nrollout: {tree_m: 2, tree_n: 2, tree_l: 1}\n",
+     r"'train.group_size' must be rollout.tree_m .* = 6"),
+    ("rollout: {tree_n: 2, tree_l: 1}\n", "'rollout.tree_m' must be >= 1"),
+    ("rollout: {tree_m: -1}\n", "'rollout.tree_m' must be >= 0"),
+])  # fmt: skip
+def test_tree_keys_are_checked_in_one_line(tmp_path, text, said):
     path = tmp_path / "c.yaml"
-    path.write_text("train: {group_size: 5}\nrollout: {tree_m: 2, tree_n: 2, tree_l: 1}\n")
-    with pytest.raises(ConfigError, match=r"'train.group_size' must be rollout.tree_m .* = 6"):
-        load_config(path)
-    path.write_text("rollout: {tree_n: 2, tree_l: 1}\n")
-    with pytest.raises(ConfigError, match="'rollout.tree_m' must be >= 1"):
-        load_config(path)
-    path.write_text("rollout: {tree_m: -1}\n")
-    with pytest.raises(ConfigError, match="'rollout.tree_m' must be >= 0"):
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=said):
         load_config(path)
 
 
