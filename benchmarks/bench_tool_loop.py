@@ -110,6 +110,39 @@ def latency_sweep(engine, tok, questions: list[dict], group: int, search_fn: Cal
             "batched_calls_per_rollout": statistics.median(calls)}  # fmt: skip
 
 
+def tail_cost(engine, tok, questions: list[dict], group: int, search_fn: Callable, rollout_cfg) -> dict:
+    """One rollout with the engine's steps timed: the tail's share of the steps and of the wall
+    time, and the seconds it costs over decoding its tokens at the full batch's rate (--tail)."""
+    core = engine.llm.llm_engine
+    steps: list[tuple[int, float]] = []  # (requests in the batch, seconds)
+    step = core.step
+
+    def timed_step():
+        batch, t = core.get_num_unfinished_requests(), time.perf_counter()
+        out = step()
+        steps.append((batch, time.perf_counter() - t))
+        return out
+
+    engine.llm.reset_prefix_cache()
+    core.step = timed_step
+    try:
+        t = time.perf_counter()
+        rollout_batch(engine, tok, questions, group, search_fn, replace(rollout_cfg, continuous=True), seed=0)
+        wall = time.perf_counter() - t
+    finally:
+        core.step = step
+    peak = max(b for b, _ in steps)
+    tail = [(b, dt) for b, dt in steps if b <= peak / 4]
+    full = [(b, dt) for b, dt in steps if b > peak / 4]
+    rate = sum(b for b, _ in full) / sum(dt for _, dt in full)  # sequences advanced per second, full batch
+    tail_s = sum(dt for _, dt in tail)
+    return {"engine_steps": len(steps), "peak_batch": peak, "tail_steps": len(tail),
+            "tail_step_share": len(tail) / len(steps), "tail_seconds": tail_s, "rollout_seconds": wall,
+            "tail_time_share": tail_s / wall, "tail_sequence_steps": sum(b for b, _ in tail),
+            "tail_cost_seconds": tail_s - sum(b for b, _ in tail) / rate,
+            "tail_cost_share": (tail_s - sum(b for b, _ in tail) / rate) / wall}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml", help="config whose policy, world and rollout to use")
@@ -119,6 +152,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help="also write the JSON report to this file")
     parser.add_argument("--latency-ms", type=float, nargs="+", default=[],
                         help="instead: each search call L ms slower, in the loop and beside the engine")  # fmt: skip
+    parser.add_argument("--tail", action="store_true", help="instead: what the rollout's tail costs (docstring)")
     args = parser.parse_args()
     cfg = load_config(args.config)
     precision.resolve(cfg)
@@ -135,6 +169,14 @@ def main() -> None:
     retrieve_share: dict[str, list[float]] = {"turns": [], "continuous": []}
     same_ids, gaps, records = [], [], {}
     rollout_batch(engine, tok, questions[:4], 2, search_fn, cfg.rollout, seed=999)  # warm-up: compile, caches
+    if args.tail:
+        report = {"config": args.config, "questions": args.questions, "group": args.group,
+                  **tail_cost(engine, tok, questions, args.group, search_fn, cfg.rollout),
+                  "machine": precision.machine()}  # fmt: skip
+        print(json.dumps(report, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        return
     if args.latency_ms:
         report = {"config": args.config, "questions": args.questions, "group": args.group, "reps": args.reps,
                   **latency_sweep(engine, tok, questions, args.group, search_fn, cfg.rollout, args.reps,
