@@ -21,14 +21,17 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 from agent import protocols
 from rollout import prompt_ids
 from tiny.warm_start import warm_start_dir
 from tiny.world import ensure_world_data, world_data_dir, world_dir
-from trainer.config import Config, DataError, RolloutConfig
+from trainer.config import Config, DataError, RolloutConfig, config_to_dict
 from trainer.questions import question_lines, unreadable
 
 ROOT = Path(__file__).resolve().parent  # the repository, so `python -m tiny.sft` runs from any directory
@@ -110,6 +113,14 @@ def ensure_policy(cfg: Config, run_dir: Path) -> Path:
         run_module("tiny.sft", "--config", str(run_dir / "config.yaml"), what="building the tiny world's SFT start",
                    log=policy.parent / "build.log")  # fmt: skip
     return policy
+
+
+def cached_policy(cfg: Config) -> Path:
+    """ensure_policy outside a run (benchmarks): the run directory it reads config.yaml from is a
+    temporary one. The cached start: the tiny world's SFT, or model.path's warm start."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        return ensure_policy(cfg, Path(tmp))
 
 
 def data_paths(cfg: Config) -> dict[str, Path]:

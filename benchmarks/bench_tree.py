@@ -22,20 +22,17 @@ not estimated from the records.
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import data_paths, ensure_policy  # noqa: E402
+from data import cached_policy, data_paths  # noqa: E402
 from rollout import rollout_batch  # noqa: E402
 from rollout_tree import rollout_trees  # noqa: E402
 from search.tools import make_search_fn  # noqa: E402
 from trainer import precision  # noqa: E402
-from trainer.config import config_to_dict, load_config  # noqa: E402
+from trainer.config import load_config  # noqa: E402
 from trainer.engine import load_tokenizer, make_engine  # noqa: E402
 from trainer.questions import load_questions  # noqa: E402
 
@@ -95,9 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.config)
     precision.resolve(cfg)
-    with tempfile.TemporaryDirectory() as tmp:  # ensure_policy builds from a run directory's config.yaml
-        (Path(tmp) / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        policy = ensure_policy(cfg, Path(tmp))
+    policy = cached_policy(cfg)
     engine = make_engine("vllm", policy, cfg.rollout, cfg.model.dtype, seed=cfg.train.seed)  # before bm25s
     paths = data_paths(cfg)
     inner = make_search_fn(cfg, paths["corpus"], {})
