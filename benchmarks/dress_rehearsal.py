@@ -113,7 +113,8 @@ def launch(args: list[str]) -> tuple[int, str, float]:
     t0 = time.time()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
                           env=os.environ | {"OMP_NUM_THREADS": "1"})  # fmt: skip
-    return done.returncode, done.stdout[-3000:] + done.stderr[-3000:], time.time() - t0
+    said = [x for x in done.stderr.splitlines() if "error:" in x]  # a rank's one line, above the launcher's traceback
+    return done.returncode, done.stdout[-3000:] + "\n".join(said[:5] + [done.stderr[-3000:]]), time.time() - t0
 
 
 def rehearse(name: str, world: Path, chat: Path, work: Path = WORK) -> dict:

@@ -203,3 +203,18 @@ def test_two_fresh_runs_in_the_same_second_both_run(micro, tmp_path):
     assert all(p.name.rsplit("-", 1)[-1] in ("2", "3") for p in made), made  # the taken name, then the next free
     for run in made:
         assert (run / "checkpoints" / "step_1").is_dir() and len((run / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_every_rank_of_a_resume_checks_the_run_dir_is_writable_at_once(tmp_path):
+    """Both ranks of a 2-process resume run check_writable before the process group starts. With one
+    probe file for both, one rank removed the file the other was about to, and its FileNotFoundError
+    read as "cannot write in the run directory" (exit 2 in the dress rehearsal, 1 CI run in 3)."""
+    script = "import sys, time; from pathlib import Path; from trainer.checkpoint import check_writable\n" \
+             "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n" \
+             "while time.time() < float(sys.argv[2]) + 2: check_writable(Path(sys.argv[1]))\n"  # fmt: skip
+    start = str(time.time() + 15)  # both past their imports: 2 s of checks side by side
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), start], cwd=ROOT, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]  # fmt: skip
+    said = [(p.wait(timeout=300), p.stderr.read()) for p in ranks]
+    assert [rc for rc, _ in said] == [0, 0], [err[-500:] for _, err in said]
+    assert list(tmp_path.iterdir()) == []  # each rank's probe removed

@@ -33,6 +33,7 @@ a checkpoint that would run code as it loads is refused. Other names under check
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import re
@@ -374,8 +375,10 @@ def load_trainer_state(ckpt: Path, run: Path, optimizer, rank: int = 0, world: i
 
 def check_writable(run: Path) -> None:
     """Write and remove a file in `run`, so a resumed run in a read-only directory (a read-only
-    mount stops root too) fails before it loads a model, not at its first log line."""
-    probe = run / ".write_check"
+    mount stops root too) fails before it loads a model, not at its first log line. Every rank of a
+    resume checks before the process group starts: each its own file, or one rank removes the
+    file another is about to (a FileNotFoundError that read as a read-only directory)."""
+    probe = run / f".write_check.{os.getpid()}"
     try:
         probe.write_text("")
         probe.unlink()
