@@ -3,6 +3,7 @@
     python benchmarks/bench_tool_loop.py --config configs/tiny.yaml            # 32 x 8, 3 reps
     python benchmarks/bench_tool_loop.py --config configs/smollm2.yaml --questions 16 --group 5
     python benchmarks/bench_tool_loop.py --config configs/quickstart.yaml --latency-ms 0 20 100   # issue 52
+    python benchmarks/bench_tool_loop.py --config configs/quickstart.yaml --profile   # where the 0 ms gap goes
 
 One vLLM engine, side by side in each repetition (the order rotates):
   * `turns`: rollout.continuous false, every trajectory of a turn waits for the slowest one,
@@ -28,12 +29,15 @@ ratio at 20 ms, >= 0.90 at 100 ms).
 """
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -140,6 +144,50 @@ def tail_cost(engine, tok, questions: list[dict], group: int, search_fn: Callabl
             "tail_cost_share": (tail_s - sum(b for b, _ in tail) / rate) / wall}  # fmt: skip
 
 
+PARTS = {  # a part of the wall time: (file suffix, function) whose cumulative seconds it sums
+    "engine steps": [("v1/engine/llm_engine.py", "step")],
+    "  model forward and sampling": [("v1/executor/uniproc_executor.py", "execute_model"),
+                                     ("v1/executor/uniproc_executor.py", "sample_tokens")],
+    "  scheduler": [("v1/core/sched/scheduler.py", "schedule"), ("v1/core/sched/scheduler.py", "update_from_output")],
+    "  output processing": [("v1/engine/output_processor.py", "process_outputs")],
+    "    of which each logprob's token decoded": [("v1/engine/logprobs.py", "update_from_output")],
+    "    of which incremental detokenizing (stop strings)": [("v1/engine/detokenizer.py", "update")],
+    "requests added": [("v1/engine/llm_engine.py", "add_request")],
+}  # fmt: skip
+
+
+def profiled_parts(run: Callable[[], object]) -> dict[str, float]:
+    """Seconds of `run` under cProfile, split into PARTS (cProfile slows Python more than kernels:
+    the split, not the total, is the point)."""
+    profile = cProfile.Profile()
+    t = time.perf_counter()
+    profile.runcall(run)
+    wall = time.perf_counter() - t
+    stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, primitive, own s, cumulative s, callers)
+    parts = {"wall": wall} | {name: sum(ct for (f, _, fn), (_, _, _, ct, _) in stats.items()
+                                        if any(f.endswith(sfx) and fn == want for sfx, want in where))
+                              for name, where in PARTS.items()}  # fmt: skip
+    return parts | {"outside the engine's steps": wall - parts["engine steps"]}
+
+
+def where_time_goes(engine, tok, questions: list[dict], group: int, search_fn: Callable, rollout_cfg,
+                    reps: int) -> dict:  # fmt: skip
+    """The rollout (searches beside, no added latency) and pure+obs of its tokens, each under
+    cProfile, alternated `reps` times: the medians of each part (--profile)."""
+    chain = replace(rollout_cfg, continuous=True)
+    runs: dict[str, list[dict]] = {"rollout": [], "pure+obs": []}
+    for rep in range(reps):
+        engine.llm.reset_prefix_cache()
+        records = rollout_batch(engine, tok, questions, group, search_fn, chain, seed=rep)  # the same seed: these
+        jobs = {"rollout": partial(rollout_batch, engine, tok, questions, group, search_fn, chain, seed=rep),
+                "pure+obs": partial(pure_generation, engine, records, rep, with_observations=True)}  # fmt: skip
+        for name in list(jobs) if rep % 2 == 0 else list(jobs)[::-1]:
+            engine.llm.reset_prefix_cache()
+            runs[name].append(profiled_parts(jobs[name]))
+    return {name: {part: round(statistics.median(r[part] for r in rs), 3) for part in rs[0]}
+            for name, rs in runs.items()}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml", help="config whose policy, world and rollout to use")
@@ -150,6 +198,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, nargs="+", default=[],
                         help="instead: each search call L ms slower, in the loop and beside the engine")  # fmt: skip
     parser.add_argument("--tail", action="store_true", help="instead: what the rollout's tail costs (docstring)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: the rollout and pure+obs under cProfile, split into vLLM's parts")  # fmt: skip
     args = parser.parse_args()
     cfg = load_config(args.config)
     precision.resolve(cfg)
@@ -167,6 +217,14 @@ def main() -> None:
     if args.tail:
         report = {"config": args.config, "questions": args.questions, "group": args.group,
                   **tail_cost(engine, tok, questions, args.group, search_fn, cfg.rollout),
+                  "machine": precision.machine()}  # fmt: skip
+        print(json.dumps(report, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        return
+    if args.profile:
+        report = {"config": args.config, "questions": args.questions, "group": args.group, "reps": args.reps,
+                  **where_time_goes(engine, tok, questions, args.group, search_fn, cfg.rollout, args.reps),
                   "machine": precision.machine()}  # fmt: skip
         print(json.dumps(report, indent=1))
         if args.out:
