@@ -51,17 +51,19 @@ from trainer.engine import load_tokenizer, make_engine  # noqa: E402
 from trainer.questions import load_questions
 
 
-def pure_generation(engine, records: list[dict], seed: int, with_observations: bool = False) -> float:
+def pure_generation(engine, records: list[dict], seed: int, with_observations: bool = False,
+                    detokenize: bool = True) -> float:  # fmt: skip
     """Seconds for vLLM to generate each record's policy-token count from its prompt (and its
-    observation tokens, with_observations), no tools."""
+    observation tokens, with_observations), no tools. detokenize False: vLLM decodes no text,
+    as the rollout does when its stop strings are single tokens (engine.VLLMEngine._stop_ids)."""
     from vllm import SamplingParams, TokensPrompt
 
     def prompt(r: dict) -> list[int]:
         obs = [t for t, m in zip(r["response_ids"], r["loss_mask"]) if not m] if with_observations else []
         return r["prompt_ids"] + obs
 
-    params = [SamplingParams(max_tokens=max(1, sum(r["loss_mask"])), ignore_eos=True, logprobs=0, seed=seed + i)
-              for i, r in enumerate(records)]  # fmt: skip
+    params = [SamplingParams(max_tokens=max(1, sum(r["loss_mask"])), ignore_eos=True, logprobs=0, seed=seed + i,
+                             detokenize=detokenize) for i, r in enumerate(records)]  # fmt: skip
     t = time.perf_counter()
     engine.llm.generate([TokensPrompt(prompt_token_ids=prompt(r)) for r in records], params, use_tqdm=False)
     return time.perf_counter() - t
@@ -78,7 +80,7 @@ def latency_sweep(engine, tok, questions: list[dict], group: int, search_fn: Cal
                   latencies: list[float]) -> dict:  # fmt: skip
     """Tokens/s of the tool loop with each search call L ms slower, in the loop and beside the
     engine, over pure generation with the observations prefilled (module docstring)."""
-    speeds: dict[str, list[float]] = {"pure+obs": []}
+    speeds: dict[str, list[float]] = {"pure+obs": [], "pure+obs, no text": []}
     calls: list[int] = []
     for rep in range(reps):
         runs = [(mode, ms) for ms in latencies for mode in ("loop", "beside")]
@@ -100,13 +102,15 @@ def latency_sweep(engine, tok, questions: list[dict], group: int, search_fn: Cal
             calls.append(n[0])
             if mode == "beside" and ms == latencies[0]:
                 records = recs  # pure+obs generates these rollouts' tokens
-        engine.llm.reset_prefix_cache()
-        dt = pure_generation(engine, records, rep, with_observations=True)
-        speeds["pure+obs"].append(sum(sum(r["loss_mask"]) for r in records) / dt)
+        for name in ["pure+obs", "pure+obs, no text"] if rep % 2 == 0 else ["pure+obs, no text", "pure+obs"]:
+            engine.llm.reset_prefix_cache()
+            dt = pure_generation(engine, records, rep, with_observations=True, detokenize=name == "pure+obs")
+            speeds[name].append(sum(sum(r["loss_mask"]) for r in records) / dt)
     med = {k: statistics.median(v) for k, v in speeds.items()}
-    over = {k: v / med["pure+obs"] for k, v in med.items() if k != "pure+obs"}
+    over = {k: v / med["pure+obs"] for k, v in med.items() if not k.startswith("pure")}
     first = f"{latencies[0]:g} ms"
     return {"tokens_per_s": med, "all": speeds, "over_pure_obs": over,
+            "over_pure_obs_no_text": {k: v * med["pure+obs"] / med["pure+obs, no text"] for k, v in over.items()},
             "over_own_first_latency": {k: v / over[f"{k.split()[0]} {first}"] for k, v in over.items()},
             "batched_calls_per_rollout": statistics.median(calls)}  # fmt: skip
 

@@ -154,6 +154,28 @@ def test_vllm_and_hf_agree_greedily(vllm_engine, setup, micro):
 
 
 @pytest.mark.numeric
+def test_stop_strings_of_one_token_stop_on_ids_and_cut_where_the_text_first_holds_one(vllm_engine, setup, micro):
+    """Every stop string one token (the tiny world's tags): VLLMEngine stops on ids and vLLM decodes
+    no text; the completion is cut where its text first holds a stop string, as vLLM's own stop
+    strings cut it. "e" is one token and inside many others (" the"), so most completions need the
+    cut; the same stop with a string no token spells beside it takes vLLM's string path."""
+    cfg, tok, questions, _, _ = setup
+    never = "\u00a7never\u00a7"
+    assert vllm_engine._stop_ids(["e"]) is not None and vllm_engine._stop_ids(["e", never]) is None
+    prompts = [tok.encode(q["question"]) for q in questions] * 4
+    n = len(prompts)
+    by_ids = vllm_engine.generate(prompts, [40] * n, 1.5, 1.0, ["e"], list(range(n)))
+    by_text = vllm_engine.generate(prompts, [40] * n, 1.5, 1.0, ["e", never], list(range(n)))
+    assert [(c.token_ids, c.finish_reason) for c in by_ids] == [(c.token_ids, c.finish_reason) for c in by_text]
+    lp = logprob_atol(model_vocab(micro[2]))  # one engine, two batches: fp32 rounding only
+    for a, b in zip(by_ids, by_text):
+        assert_close(a.logprobs, b.logprobs, rtol=0, atol=lp, what="logprobs, stopped on ids vs on text")
+    cut = [c for c in by_ids if c.token_ids and c.token_ids[-1] not in vllm_engine._stop_ids(["e"])
+           and "e" in tok.decode(c.token_ids)]  # fmt: skip
+    assert len(cut) >= n // 4, f"only {len(cut)} of {n} completions ended on an 'e' inside a longer token"
+
+
+@pytest.mark.numeric
 def test_weight_sync_makes_vllm_match_the_trainer(vllm_engine, micro):
     check_weight_sync(vllm_engine, micro[2])
 
