@@ -83,7 +83,7 @@ def latency_sweep(engine, tok, questions: list[dict], group: int, search_fn: Cal
     speeds: dict[str, list[float]] = {"pure+obs": [], "pure+obs, no text": []}
     calls: list[int] = []
     for rep in range(reps):
-        runs = [(mode, ms) for ms in latencies for mode in ("loop", "beside")]
+        runs = [(mode, ms) for ms in latencies for mode in ("loop", "beside")] + [("beside, text stops", latencies[0])]
         records = None
         for mode, ms in runs if rep % 2 == 0 else runs[::-1]:
             n = [0]
@@ -94,10 +94,12 @@ def latency_sweep(engine, tok, questions: list[dict], group: int, search_fn: Cal
                 return search_fn(queries)
 
             engine.llm.reset_prefix_cache()
-            rcfg = replace(rollout_cfg, continuous=True, tool_workers=4 if mode == "beside" else 0)
+            rcfg = replace(rollout_cfg, continuous=True, tool_workers=0 if mode == "loop" else 4)
+            engine.stop_on_ids = mode != "beside, text stops"  # that arm: vLLM's stop strings, as before
             t = time.perf_counter()
             recs = rollout_batch(engine, tok, questions, group, slow, rcfg, seed=rep)
             dt = time.perf_counter() - t
+            engine.stop_on_ids = True
             speeds.setdefault(f"{mode} {ms:g} ms", []).append(sum(sum(r["loss_mask"]) for r in recs) / dt)
             calls.append(n[0])
             if mode == "beside" and ms == latencies[0]:
@@ -111,7 +113,7 @@ def latency_sweep(engine, tok, questions: list[dict], group: int, search_fn: Cal
     first = f"{latencies[0]:g} ms"
     return {"tokens_per_s": med, "all": speeds, "over_pure_obs": over,
             "over_pure_obs_no_text": {k: v * med["pure+obs"] / med["pure+obs, no text"] for k, v in over.items()},
-            "over_own_first_latency": {k: v / over[f"{k.split()[0]} {first}"] for k, v in over.items()},
+            "over_own_first_latency": {k: v / over[f"{k.rsplit(' ', 2)[0]} {first}"] for k, v in over.items()},
             "batched_calls_per_rollout": statistics.median(calls)}  # fmt: skip
 
 

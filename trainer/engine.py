@@ -166,6 +166,7 @@ class VLLMEngine:
                 "construct the engine first, then the retriever"
             )
         self.separate_process = separate_process
+        self.stop_on_ids = True  # False: always vLLM's stop strings (bench_tool_loop's side-by-side arm)
         self._stop_id_cache: dict[tuple[str, ...], list[int] | None] = {}
         self.tp = cfg.tensor_parallel_size if launcher else 1  # ranks sharing this engine
         kv_cache = cpu_kv_cache_size(cfg.gpu_memory_utilization)  # before the launcher's variables are hidden
@@ -283,6 +284,8 @@ class VLLMEngine:
         Stopping on ids lets vLLM skip detokenizing: stop strings make it decode each new token
         and the text of each logprob's token, 23 % of the quick start's rollout under cProfile
         (results/tool_loop_latency.md). _completion keeps the strings' semantics."""
+        if not self.stop_on_ids:
+            return None
         if tuple(stop) not in self._stop_id_cache:
             tok = self.llm.get_tokenizer()
             ids = [tok.encode(s, add_special_tokens=False) for s in stop]
