@@ -32,6 +32,9 @@ Two engines with the same three methods, so rollout.py does not care which one r
   `gpu_memory_utilization` reserved; the next `load_weights` wakes the weights first, loads,
   then wakes the KV cache. vLLM supports it on CUDA/ROCm only: on CPU the engine refuses it
   at start with a clear error instead of failing at the first step.
+* Stops: where every stop string is one token (the tiny world's tags) vLLM stops on their ids and
+  decodes no text, 1.25x the rollout with stop strings (results/tool_loop_latency.md); the turn
+  is still cut where its text first holds a stop string (`_completion`).
 * `hf`: plain transformers `generate`, slow but simple, for debugging and for exact tests.
 
 Logprobs are the raw model log-probabilities of the sampled tokens (before temperature),
