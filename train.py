@@ -77,6 +77,7 @@ import argparse
 import json
 import random
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -220,7 +221,7 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
             bar.set_postfix(reward=f"{row['reward']:.2f}", searches=f"{row['searches_per_question']:.2f}")
         if (cfg.train.save_every > 0 and (step + 1) % cfg.train.save_every == 0) or step + 1 == cfg.train.steps:
             if p.pipe is not None:  # the checkpoint keeps the rollout in flight, finished (trainer/overlap.py)
-                settle(p.pipe, lambda mine: gather_lists(mine, p.world, every=p.tp))
+                settle(p.pipe, partial(gather_records, p))
             t0 = time.time()
             save_stage(p, step)
             note(p.timeline, step, "trainer", "save", t0, time.time())
@@ -230,10 +231,15 @@ def train(cfg: Config, run: Path, resume_from: Path | None = None) -> dict:
     return ev
 
 
+def gather_records(p: RunParts, mine: list[dict]) -> list[dict]:
+    """Every rank's records, in rank order (one copy per tensor-parallel group)."""
+    return gather_lists(mine, p.world, every=p.tp)
+
+
 def roll_out(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
     """Each engine rolls out its block of qs (whole groups); every rank gets all the records, in
     the order of qs, as one process would have them."""
-    return gather_lists(roll_out_mine(p, qs, seed), p.world, every=p.tp)
+    return gather_records(p, roll_out_mine(p, qs, seed))
 
 
 def roll_out_mine(p: RunParts, qs: list[dict], seed: int) -> list[dict]:
@@ -286,7 +292,7 @@ def overlapped_rollout(p: RunParts, step: int) -> list[dict]:
     cfg, pipe = p.cfg, p.pipe
     if pipe.pending is None:  # nothing rolled out ahead: the first step (of a run, or of a resume without one)
         start_rollout(p, step)
-    records = collect(pipe, lambda mine: gather_lists(mine, p.world, every=p.tp))
+    records = collect(pipe, partial(gather_records, p))
     check_staleness(records, step, cfg.train.max_staleness)
     check_engine_logprobs(records, cfg.rollout.engine, step + 1)
     if pipe.version < step:  # the previous step's update into the engine ("step k+1: weight check" if it fails)
@@ -324,7 +330,7 @@ def rollout_times(p: RunParts, step: int, t0: float) -> dict:
 def settle_and_sync(p: RunParts, step: int, records: list[dict]) -> None:
     """train.overlap, before an evaluation: the rollout in flight finished (kept for the next
     step), then this step's weights into the engine, so validation sees the policy it names."""
-    settle(p.pipe, lambda mine: gather_lists(mine, p.world, every=p.tp))
+    settle(p.pipe, partial(gather_records, p))
     if p.pipe.version < step + 1:
         checked_sync(p, step, records)
         p.pipe.version = step + 1
@@ -454,7 +460,7 @@ def run_eval(p: RunParts) -> dict:
     """Greedy, one rollout per question, each engine its block; the metrics of them all."""
     mine = rollout_mode("agentic", p.engine, p.tokenizer, my_share(p.val_q, p.rank // p.tp, p.world // p.tp),
                         p.search_fn, p.cfg)  # fmt: skip
-    val_records = gather_lists(mine, p.world, every=p.tp)
+    val_records = gather_records(p, mine)
     ev = summarize(val_records)  # EM-scored (rollout_mode)
     before = judge_counts(p.judge)
     score_shared(val_records, p.cfg.train.reward, reward_params(p.constraints, p.cfg.train.reward_params), p.judge,
