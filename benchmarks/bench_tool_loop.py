@@ -156,8 +156,8 @@ PARTS = {  # a part of the wall time: (file suffix, function) whose cumulative s
                                      ("v1/executor/uniproc_executor.py", "sample_tokens")],
     "  scheduler": [("v1/core/sched/scheduler.py", "schedule"), ("v1/core/sched/scheduler.py", "update_from_output")],
     "  output processing": [("v1/engine/output_processor.py", "process_outputs")],
-    "    of which each logprob's token decoded": [("v1/engine/logprobs.py", "update_from_output")],
-    "    of which incremental detokenizing (stop strings)": [("v1/engine/detokenizer.py", "update")],
+    "    of which logprobs (their tokens decoded, text on)": [("v1/engine/logprobs.py", "update_from_output")],
+    "    of which incremental detokenizing (text on)": [("v1/engine/detokenizer.py", "update")],
     "requests added": [("v1/engine/llm_engine.py", "add_request")],
 }  # fmt: skip
 
