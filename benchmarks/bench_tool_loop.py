@@ -22,10 +22,11 @@ differ (prefix-cached KV against recomputed KV: fp32 rounding).
 --latency-ms L1 L2 ..: the search's latency hidden or not. Each batched search call sleeps L ms
 (a retrieval server's e5 encode + faiss search on the box: tens to hundreds of ms), and each
 repetition runs, side by side, for every L: `loop` (rollout.tool_workers 0, every call made in the
-engine's loop, which stops every trajectory for its length) and `beside` (tool_workers 4: the
-engine decodes the others meanwhile), then `pure+obs` once. The report: each one's tokens/s over
-pure+obs, and over its own ratio at the first L (issue 52's acceptance: beside >= 0.95 of its 0 ms
-ratio at 20 ms, >= 0.90 at 100 ms).
+engine's loop, which stops every trajectory for its length), `beside` (tool_workers 4: the
+engine decodes the others meanwhile) and `beside, text stops` (the same with vLLM's stop strings,
+engine.stop_on_ids off: the engine before it stopped on ids), then `pure+obs` with and without
+vLLM's text. The report: each one's tokens/s over pure+obs, and over its own ratio at the first L
+(issue 52's acceptance: beside >= 0.95 of its 0 ms ratio at 20 ms, >= 0.90 at 100 ms).
 """
 
 import argparse
@@ -83,7 +84,7 @@ def latency_sweep(engine, tok, questions: list[dict], group: int, search_fn: Cal
     speeds: dict[str, list[float]] = {"pure+obs": [], "pure+obs, no text": []}
     calls: list[int] = []
     for rep in range(reps):
-        runs = [(mode, ms) for ms in latencies for mode in ("loop", "beside")] + [("beside, text stops", latencies[0])]
+        runs = [(mode, ms) for ms in latencies for mode in ("loop", "beside", "beside, text stops")]
         records = None
         for mode, ms in runs if rep % 2 == 0 else runs[::-1]:
             n = [0]
