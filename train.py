@@ -595,10 +595,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     except Interrupted as e:
         stopped(e)
-    print(f"run directory: {run}", flush=True)
-    print(describe_precision(cfg), flush=True)
-    if note := judge_note(cfg.train.reward, cfg.train.reward_params, REWARDS, cfg.train.judge):
-        print(note, flush=True)  # a judge's terms scored without one: said once, before anything slow
+    if int(os.environ.get("RANK", "0")) == 0:  # said once, not once per process
+        print(f"run directory: {run}", flush=True)
+        print(describe_precision(cfg), flush=True)
+        if note := judge_note(cfg.train.reward, cfg.train.reward_params, REWARDS, cfg.train.judge):
+            print(note, flush=True)  # a judge's terms scored without one: said before anything slow
     t0 = time.time()
     try:
         ev = train(cfg, run, ckpt)

@@ -48,6 +48,7 @@ def test_two_process_training_run_matches_one_process_and_is_not_resumed_by_one(
     two = subprocess.run(launch_two() + ["--config", str(cfgs["two"])], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("run directory:") == 1, two.stdout[-3000:]  # rank 0 says it, not each process
     rows = {}
     for name in cfgs:
         run = next((tmp_path / name).glob(f"{name}-*"))
