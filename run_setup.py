@@ -48,7 +48,7 @@ from trainer.engine import empty_policy, load_policy, load_tokenizer, make_engin
 from trainer.faults import wait_for_main
 from trainer.grpo import memory_savers
 from trainer.lora import add_lora, load_lora
-from trainer.overlap import Pipeline
+from trainer.overlap import Pipeline, overlap_on
 from trainer.overlap import restore as restore_in_flight
 from trainer.ppo import critic_optimizer, load_critic, load_sharded_critic
 from trainer.questions import first_of_each_benchmark, load_questions
@@ -109,7 +109,7 @@ def setup(cfg: Config, run: Path, resume_from: Path | None) -> RunParts:
                           f"with {world} processes")  # fmt: skip
     if lora_on and world > 1:
         raise ConfigError("train.lora_rank runs in one process for now: FSDP over peft's adapters is not wired")
-    overlap = cfg.train.overlap and cfg.train.max_staleness > 0  # max_staleness 0: the synchronous loop
+    overlap = overlap_on(cfg.train)
     if overlap and cfg.rollout.engine == "vllm" and (world > 1 and cfg.rollout.weight_sync == "memory" or tp > 1):
         raise ConfigError("train.overlap runs each rank's engine in a process of its own (tensor_parallel_size 1): "
                           "set rollout.weight_sync: file (docs/overlap.md)")  # fmt: skip

@@ -131,7 +131,16 @@ from trainer.faults import (
 from trainer.grpo import group_advantages, grpo_step, kl_penalties, lr_at, rft_select, rft_step
 from trainer.judging import check_judge, judge_counts, judge_row
 from trainer.lora import merged_weights
-from trainer.overlap import check_in_flight, check_staleness, collect, in_flight_state, note, settle, start
+from trainer.overlap import (
+    check_in_flight,
+    check_staleness,
+    collect,
+    in_flight_state,
+    note,
+    overlap_on,
+    settle,
+    start,
+)
 from trainer.plan import print_plan
 from trainer.ppo import ppo_update
 from trainer.precision import describe as describe_precision
@@ -577,8 +586,8 @@ def main(argv: list[str] | None = None) -> None:
             if passed_over:
                 print(passed_over, flush=True)
             check_writable(run)  # a read-only run directory fails here too
-            check_in_flight(load_checkpoint_file(ckpt / "trainer_state.pt"), ckpt,
-                            cfg.train.overlap and cfg.train.max_staleness > 0)  # before a change is recorded
+            # before a change is recorded: a rollout in flight resumes only in overlap mode
+            check_in_flight(load_checkpoint_file(ckpt / "trainer_state.pt"), ckpt, overlap_on(cfg.train))
             check_resume_config(run, ckpt, cfg, args.set, world_key)  # vs the checkpoint's config: no silent change
         else:
             cfg = resolve_precision(load_config(args.config, args.set))  # before its config.yaml is written

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainer.config import load_config  # noqa: E402
+from trainer.precision import cpu_name  # noqa: E402
 
 MAIN_STAGES = ("rollout", "wait", "reward", "train", "sync")  # the step itself: eval and save are apart
 COLOURS = {"rollout": "tab:blue", "wait": "lightgrey", "reward": "tab:orange", "train": "tab:green",
@@ -138,7 +139,7 @@ def throughput(args: argparse.Namespace, out: Path) -> dict:
     draw(last, out / "timeline.png")
     lines = [f"# Sync vs overlap on {args.config}: {args.steps} steps x {args.reps} reps, {per_step} questions a step",
              "", f"command: python benchmarks/bench_overlap.py {' '.join(sys.argv[1:])}",
-             f"CPU: {_cpu_name()}, {args.threads} threads (overlap: {args.threads - args.engine_threads} trainer + "
+             f"CPU: {cpu_name()}, {args.threads} threads (overlap: {args.threads - args.engine_threads} trainer + "
              f"{args.engine_threads} engine)", "",
              "| mode | questions/s (all steps) | questions/s (steps 2..) | reps |", "|---|---|---|---|"]  # fmt: skip
     for mode, (q_all, q_steady) in med.items():
@@ -180,13 +181,6 @@ def em_seeds(args: argparse.Namespace, out: Path) -> dict:
         spread = f"{min(final):.3f}-{max(final):.3f}"
         lines.append(f"{mode}: step {steps[-1]} 2-hop EM mean {statistics.mean(final):.3f}, range {spread}")
     return {"report": lines, "em_2hop": em}
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:

@@ -195,6 +195,45 @@ def where_time_goes(engine, tok, questions: list[dict], group: int, search_fn: C
             for name, rs in runs.items()}  # fmt: skip
 
 
+def schedules(engine, tok, questions: list[dict], group: int, search_fn: Callable, rollout_cfg, reps: int,
+              timings: dict[str, float]) -> dict:  # fmt: skip
+    """The four side by side (module docstring): turns, continuous, pure and pure+obs, `reps` times,
+    the order alternating; timings is the search function's, for the retrieval share."""
+    speeds: dict[str, list[float]] = {"turns": [], "continuous": [], "pure": [], "pure+obs": []}
+    retrieve_share: dict[str, list[float]] = {"turns": [], "continuous": []}
+    same_ids, gaps, records = [], [], {}
+    for rep in range(reps):
+        names = ["turns", "continuous"] if rep % 2 == 0 else ["continuous", "turns"]
+        names += ["pure", "pure+obs"] if rep % 2 == 0 else ["pure+obs", "pure"]  # they need this rep's records
+        for name in names:
+            engine.llm.reset_prefix_cache()  # no run reuses another's KV blocks
+            if name.startswith("pure"):
+                recs = records["continuous"]
+                dt = pure_generation(engine, recs, rep, with_observations=name == "pure+obs")
+            else:
+                timings.clear()
+                rcfg = replace(rollout_cfg, continuous=name == "continuous")
+                t = time.perf_counter()
+                recs = records[name] = rollout_batch(engine, tok, questions, group, search_fn, rcfg, seed=rep)
+                dt = time.perf_counter() - t
+                retrieve_share[name].append(timings.get("retrieve", 0.0) / dt)
+            speeds[name].append(sum(sum(r["loss_mask"]) for r in recs) / dt)
+        same, gap = compare(records["turns"], records["continuous"])
+        same_ids.append(same)
+        gaps.append(gap)
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    return {
+        "policy_tokens_per_batch": sum(sum(r["loss_mask"]) for r in records["continuous"]),
+        "tokens_per_s": med, "all": speeds,
+        "continuous_over_pure": med["continuous"] / med["pure"], "turns_over_pure": med["turns"] / med["pure"],
+        "continuous_over_pure_obs": med["continuous"] / med["pure+obs"],
+        "turns_over_pure_obs": med["turns"] / med["pure+obs"],
+        "observation_tokens_per_batch": sum(len(r["loss_mask"]) - sum(r["loss_mask"]) for r in records["continuous"]),
+        "retrieve_share": {k: statistics.median(v) for k, v in retrieve_share.items()},
+        "same_token_ids": same_ids, "max_logprob_gap": max(gaps), "kv_block_size": rollout_cfg.kv_block_size,
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml", help="config whose policy, world and rollout to use")
@@ -217,70 +256,21 @@ def main() -> None:
     search_fn = make_search_fn(cfg, paths["corpus"], timings)
     tok = load_tokenizer(policy)
     questions = load_questions(paths["val"])[: args.questions]
-    speeds: dict[str, list[float]] = {"turns": [], "continuous": [], "pure": [], "pure+obs": []}
-    retrieve_share: dict[str, list[float]] = {"turns": [], "continuous": []}
-    same_ids, gaps, records = [], [], {}
     rollout_batch(engine, tok, questions[:4], 2, search_fn, cfg.rollout, seed=999)  # warm-up: compile, caches
+    run = (engine, tok, questions, args.group, search_fn, cfg.rollout)
     if args.tail:
-        report = {"config": args.config, "questions": args.questions, "group": args.group,
-                  **tail_cost(engine, tok, questions, args.group, search_fn, cfg.rollout),
-                  "machine": precision.machine()}  # fmt: skip
-        print(json.dumps(report, indent=1))
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        return
-    if args.profile:
-        report = {"config": args.config, "questions": args.questions, "group": args.group, "reps": args.reps,
-                  **where_time_goes(engine, tok, questions, args.group, search_fn, cfg.rollout, args.reps),
-                  "machine": precision.machine()}  # fmt: skip
-        print(json.dumps(report, indent=1))
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        return
-    if args.latency_ms:
-        report = {"config": args.config, "questions": args.questions, "group": args.group, "reps": args.reps,
-                  **latency_sweep(engine, tok, questions, args.group, search_fn, cfg.rollout, args.reps,
-                                  args.latency_ms), "machine": precision.machine()}  # fmt: skip
-        print(json.dumps(report, indent=1))
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        return
-    for rep in range(args.reps):
-        names = ["turns", "continuous"] if rep % 2 == 0 else ["continuous", "turns"]
-        names += ["pure", "pure+obs"] if rep % 2 == 0 else ["pure+obs", "pure"]  # they need this rep's records
-        for name in names:
-            engine.llm.reset_prefix_cache()  # no run reuses another's KV blocks
-            if name.startswith("pure"):
-                recs = records["continuous"]
-                dt = pure_generation(engine, recs, rep, with_observations=name == "pure+obs")
-            else:
-                timings.clear()
-                rcfg = replace(cfg.rollout, continuous=name == "continuous")
-                t = time.perf_counter()
-                recs = records[name] = rollout_batch(engine, tok, questions, args.group, search_fn, rcfg, seed=rep)
-                dt = time.perf_counter() - t
-                retrieve_share[name].append(timings.get("retrieve", 0.0) / dt)
-            speeds[name].append(sum(sum(r["loss_mask"]) for r in recs) / dt)
-        same, gap = compare(records["turns"], records["continuous"])
-        same_ids.append(same)
-        gaps.append(gap)
-    med = {k: statistics.median(v) for k, v in speeds.items()}
-    report = {
-        "config": args.config, "questions": args.questions, "group": args.group, "reps": args.reps,
-        "policy_tokens_per_batch": sum(sum(r["loss_mask"]) for r in records["continuous"]),
-        "tokens_per_s": med, "all": speeds,
-        "continuous_over_pure": med["continuous"] / med["pure"], "turns_over_pure": med["turns"] / med["pure"],
-        "continuous_over_pure_obs": med["continuous"] / med["pure+obs"],
-        "turns_over_pure_obs": med["turns"] / med["pure+obs"],
-        "observation_tokens_per_batch": sum(len(r["loss_mask"]) - sum(r["loss_mask"]) for r in records["continuous"]),
-        "retrieve_share": {k: statistics.median(v) for k, v in retrieve_share.items()},
-        "same_token_ids": same_ids, "max_logprob_gap": max(gaps), "kv_block_size": cfg.rollout.kv_block_size,
-        "machine": precision.machine(),
-    }  # fmt: skip
+        found = tail_cost(*run)
+    elif args.profile:
+        found = {"reps": args.reps, **where_time_goes(*run, args.reps)}
+    elif args.latency_ms:
+        found = {"reps": args.reps, **latency_sweep(*run, args.reps, args.latency_ms)}
+    else:
+        found = {"reps": args.reps, **schedules(*run, args.reps, timings)}
+    report = {"config": args.config, "questions": args.questions, "group": args.group, **found,
+              "machine": precision.machine()}  # fmt: skip
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-
 
 if __name__ == "__main__":
     main()

@@ -311,12 +311,12 @@ class VLLMEngine:
         tag spelled in several tokens (rare: the policy writes the tag's own token) ends a turn too."""
         c = o.outputs[0]
         ids, lps = list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-        finish = c.finish_reason or "stop"
-        if self._stop_ids(stop) is not None and ids:
+        finish, stop_ids = c.finish_reason or "stop", self._stop_ids(stop)
+        if stop_ids is not None and ids:
             tok = self.llm.get_tokenizer()
             text = tok.decode(ids, skip_special_tokens=False)
             ends = [text.find(s) + len(s) for s in stop if s in text]
-            if ends and not (min(ends) == len(text) and ids[-1] in self._stop_ids(stop)):
+            if ends and not (min(ends) == len(text) and ids[-1] in stop_ids):
                 cut = next(n for n in range(1, len(ids) + 1)
                            if any(s in tok.decode(ids[:n], skip_special_tokens=False) for s in stop))  # fmt: skip
                 ids, lps, finish = ids[:cut], lps[:cut], "stop"

@@ -166,17 +166,18 @@ def sequence_tensors(records: list[dict], mask_retrieved: bool = True, version: 
     out = []
     for r in records:
         n = len(r["prompt_ids"])
-        sampled = policy_positions(r)
+        sampled = torch.tensor(policy_positions(r), dtype=torch.float32)
         adv = r["advantages"] if "advantages" in r else [float(r.get("advantage", 0.0))] * len(sampled)
+        stale = torch.zeros(len(sampled))
+        if version is not None and "versions" in r:
+            stale = torch.tensor(([0] * n + [int(v < version) for v in token_versions(r)])[1:]) * sampled
         out.append({
             "ids": r["prompt_ids"] + r["response_ids"],
             "loss_mask": torch.tensor(policy_positions(r, mask_retrieved), dtype=torch.float32),
-            "sampled": torch.tensor(sampled, dtype=torch.float32),
+            "sampled": sampled,
             "engine_logp": torch.tensor(([0.0] * n + list(r["logprobs"]))[1:], dtype=torch.float32),
             "adv": torch.as_tensor(adv, dtype=torch.float32),
-            "stale": torch.tensor(([0] * n + [int(v < version) for v in token_versions(r)])[1:],
-                                  dtype=torch.float32) * torch.tensor(sampled, dtype=torch.float32)
-            if version is not None and "versions" in r else torch.zeros(len(sampled)),
+            "stale": stale,
         })  # fmt: skip
     return out
 
@@ -310,10 +311,9 @@ def stale_correction(model, seqs: list[dict], old: list[torch.Tensor], is_weight
     tcfg = cfg.train
     prox = old if _recomputes_old(cfg) else batch_logprobs(
         model, seqs, tcfg.micro_batch_tokens, pad_id, tcfg.bf16, rank=rank, world=world, exact=tcfg.exact_grad_sum)
-    cap = tcfg.is_correction or STALE_IS_CAP
+    truncated = importance_weights(prox, seqs, tcfg.is_correction or STALE_IS_CAP)  # pi_prox / pi_behav, capped
     old = [torch.where(s["stale"] > 0, p, o) for s, p, o in zip(seqs, prox, old)]
-    is_weight = [torch.where(s["stale"] > 0, torch.exp(p - s["engine_logp"]).clamp(max=cap), w)
-                 for s, p, w in zip(seqs, prox, is_weight)]  # fmt: skip
+    is_weight = [torch.where(s["stale"] > 0, t, w) for s, t, w in zip(seqs, truncated, is_weight)]
     return old, is_weight
 
 

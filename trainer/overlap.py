@@ -44,6 +44,11 @@ from pathlib import Path
 from trainer.config import ConfigError, TrainingFault
 
 
+def overlap_on(train) -> bool:
+    """train.overlap with a rollout ahead (a TrainConfig): max_staleness 0 is the synchronous loop."""
+    return train.overlap and train.max_staleness > 0
+
+
 @dataclass
 class InFlight:
     """One rollout started ahead: the step it is for, the version the engine served, its result."""

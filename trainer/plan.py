@@ -110,6 +110,7 @@ from pathlib import Path
 from trainer import precision
 from trainer.batching import ENTROPY_CHUNK_TOKENS
 from trainer.config import Config, ConfigError, ModelConfig, load_config
+from trainer.overlap import overlap_on
 from trainer.plan_retriever import read_config_json, retriever_plan, sci
 
 GB = 1e9
@@ -317,7 +318,7 @@ def memory_plan(cfg: Config, with_advice: bool = True) -> dict:
     # state: none under cpu_offload, phase or micro_batch), the served retriever and the allowance
     on_host_in_rollout = sum(host.values()) if mode == "phase" else 0.0
     rollout_total = hw.vllm_memory_fraction * hw.gpu_memory_gb + resident - on_host_in_rollout
-    overlap = t.overlap and t.max_staleness > 0
+    overlap = overlap_on(t)
     if overlap:  # step k+1's rollout beside step k's update, on the same GPU: both peaks at once
         rollout_total = hw.vllm_memory_fraction * hw.gpu_memory_gb + total
     host["vllm_asleep"] = 0.0  # level 2 drops the weights (the sync rewrites them); level 1 kept P*b/R here
