@@ -24,7 +24,8 @@ import train
 from trainer.checkpoint import load_checkpoint_file
 from trainer.config import ConfigError, TrainingFault, load_config
 from trainer.engine import HFEngine
-from trainer.grpo import STALE_IS_CAP, grpo_step
+from trainer.grpo import grpo_step
+from trainer.offpolicy import STALE_IS_CAP
 from trainer.overlap import check_staleness, token_versions
 
 OVERLAP = {"overlap": True, "max_staleness": 1}

@@ -18,7 +18,7 @@ step k+1 by policy k+1: staleness 1. Each record carries `versions`, runs of [fi
 version] (token_versions expands them), so a carried-over partial rollout would span versions
 without a new format. max_staleness 0 launches nothing ahead: the synchronous loop.
 
-The off-policy correction is trainer/grpo.py's (stale_correction): AReaL's decoupled PPO on the
+The off-policy correction is trainer/offpolicy.py's (stale_correction): AReaL's decoupled PPO on the
 stale tokens, the engine's logprobs as the behaviour policy, the trainer's before the update as the
 proximal one, the importance weight truncated as in verl's TIS.
 
